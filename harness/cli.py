@@ -1,0 +1,70 @@
+"""The ``depthmem`` command: one subcommand per module in ``harness.commands``, each a thin layer over the API.
+
+Errors a user can fix end with one sentence on standard error and a non-zero exit (2 for bad usage or config);
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from harness.errors import DepthmemError
+
+# Listed by hand so the order of ``--help`` is deliberate and a missing module is an obvious error.
+COMMANDS = ["variants", "train", "prepare", "sweep", "status", "cancel", "eval", "lm_eval", "report", "bench"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own usage errors: one sentence, exit 2
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"depthmem: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="depthmem", description="Benchmark and ablate depth mixing in transformers.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"harness.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"harness.commands.{name}":
+                continue
+            raise
+        p = module.add_parser(sub)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # ``lm-eval`` hands everything after it to lm-eval's own command line untouched.
+    if argv and argv[0] == "lm-eval":
+        args = argparse.Namespace(debug=False, command="lm-eval", rest=argv[1:])
+        from harness.commands import lm_eval
+        args._run = lm_eval.run
+    else:
+        args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    debug = args.debug or os.environ.get("DEPTHMEM_DEBUG") == "1"
+    try:
+        return int(args._run(args) or 0)
+    except DepthmemError as e:
+        if debug:
+            raise
+        sys.stderr.write(f"depthmem: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("depthmem: interrupted.\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
