@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from harness.errors import UsageError
 from variants.base import REGISTRY, DepthMixer, register
-from variants import preln  # noqa: F401  (registers)
+from variants import (  # noqa: F401  (each import registers its variants)
+    preln,
+    ldm,
+    ldm_rls,
+    attnres,
+    attnres_block,
+    hc,
+    mhc,
+    denseformer,
+)
 
 
 def names() -> list[str]:
