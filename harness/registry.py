@@ -165,7 +165,7 @@ class Registry(Generic[T]):
         try:
             cfg = entry.cls.Config(**values)
         except ValueError as e:
-            raise UsageError(f"Bad knobs for {self.kind} {name!r}: {e}") from None
+            raise UsageError(f"Bad knobs for {self.kind} {name!r}: {str(e).rstrip('.')}.") from None
         return entry, cfg
 
     def canonical(self, spec: str) -> str:

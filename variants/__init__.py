@@ -45,7 +45,7 @@ def build(spec: str, *, d_model: int, n_layers: int) -> DepthMixer:
         return entry.cls(cfg, d_model=d_model, n_layers=n_layers)
     except ValueError as e:
         # Knobs that only fail against a size (groups not dividing the width) are checked here.
-        raise UsageError(f"Bad knobs for variant {spec!r} at width {d_model} and {n_layers} layers: {e}.") from None
+        raise UsageError(f"Bad knobs for variant {spec!r} at width {d_model} and {n_layers} layers: {str(e).rstrip('.')}.") from None
 
 
 __all__ = ["DepthMixer", "REGISTRY", "register", "names", "describe", "canonical", "validate", "build"]

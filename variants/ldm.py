@@ -1,1 +1,282 @@
-"""Placeholder: this variant is being written."""
+"""Linear depth memory (LDM, spec §3) and its exact recursive-least-squares form (LDM-RLS, spec §4), with the
+ablation knobs of spec §5. Two streams: the residual ``x`` and a matrix memory ``M`` of ``G`` groups, group ``g`` holding
+``M^g ∈ R^{(d/G) × d_k}`` over the ``g``-th slice of the channels (LDM-RLS adds ``P^g ∈ R^{d_k × d_k}``).
+Layer ``l`` reads ``a_l = x_{l-1} + concat_g(M^g_{l-1} q_l^g)`` and writes ``x_l = x_{l-1} + v_l`` and either
+``M^g_l = M^g_{l-1} + v_l^g (k_l^g)ᵀ`` (``write=outer``) or one exact RLS step (``write=rls``, in
+``variants/ldm_rls.py``). Queries and keys are unit vectors per group from small per-layer MLPs on ``x_{l-1}``;
+the head reads like a layer with its own query MLP.
+
+Axes: b batch, t time, d width, g groups, v value width d/G, k key width d_k, l depth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.model import RMSNorm
+from harness.registry import format_value, knob
+from variants import ldm_rls
+from variants.base import DepthMixer, register
+
+READS = ("residual+memory", "memory", "residual")
+NORM_EPS = 1e-6  # the mixer does not see the model's norm_eps; the decoder's default
+
+
+def _parse_lambda(text: str) -> str | float:
+    return "learned" if text.strip().lower() == "learned" else float(text)
+
+
+class LDMState(NamedTuple):
+    """The streams after a layer: residual ``x`` (b, t, d), memory ``M`` (b, t, g, v, k) or None while it is
+    still zero, and for RLS the inverse key covariance ``P`` (b, t, g, k, k)."""
+
+    x: torch.Tensor
+    M: torch.Tensor | None
+    P: torch.Tensor | None
+
+
+class SmallMLP(nn.Module):
+    """``RMSNorm → Linear(d, h) → SiLU → Linear(h, out)``: one layer's query or key network (spec §3)."""
+
+    def __init__(self, d: int, hidden: int, out: int):
+        super().__init__()
+        self.norm = RMSNorm(d, NORM_EPS)
+        # Biases: the spec leaves them open; kept, as in a default nn.Linear.
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, out)
+
+    def forward(self, x):
+        # Weights are cast to the input's precision so the memory math stays float32 even when the model's
+        # parameters are bf16 (and float64 in a float64 model).
+        dt = x.dtype
+        h = F.silu(F.linear(self.norm(x), self.fc1.weight.to(dt), self.fc1.bias.to(dt)))
+        return F.linear(h, self.fc2.weight.to(dt), self.fc2.bias.to(dt))
+
+
+@register("ldm")
+class LDM(DepthMixer):
+    """Linear depth memory: the residual stream plus an outer-product matrix memory read by per-layer queries."""
+
+    @dataclass(kw_only=True, frozen=True)
+    class Config:
+        write: Literal["outer", "rls"] = knob("outer", "memory update: outer product (§3) or exact RLS (§4)",
+                                               choices=("outer", "rls"))
+        read: Literal["residual+memory", "memory", "residual"] = knob(
+            "residual+memory", "a layer's input: x + Mq, Mq alone, or x alone (= PreLN)", choices=READS)
+        residual_write: bool = knob(True, "off: x_l = x_{l-1}, outputs go only into the memory",
+                                    choices=("on", "off"))
+        groups: int = knob(16, "memory groups G, each over d/G channels", allowed="a divisor of d_model")
+        key_dim: int = knob(0, "key width d_k; 0 means d_model / groups",
+                            allowed="a positive integer, or 0 for d_model / groups")
+        qk_hidden: int = knob(64, "hidden width of the query and key MLPs", allowed="a positive integer")
+        lambda_: str | float = knob("learned", "forgetting factor λ (write=rls only)", name="lambda",
+                                    parse=_parse_lambda, allowed="learned or a number in (0, 1]")
+        omega: bool = knob(True, "importance weights ω from the key MLP (write=rls only)", choices=("on", "off"))
+        alpha: float = knob(1.0, "ridge scale, P_{-1} = αI (write=rls only)", allowed="a number > 0")
+
+        def __post_init__(self):
+            if self.write not in ("outer", "rls"):
+                raise ValueError(f"write must be outer or rls, got {self.write!r}")
+            if self.read not in READS:
+                raise ValueError(f"read must be one of {', '.join(READS)}, got {self.read!r}")
+            for name in ("residual_write", "omega"):
+                if not isinstance(getattr(self, name), bool):
+                    raise ValueError(f"{name} must be on or off, got {getattr(self, name)!r}")
+            if not isinstance(self.groups, int) or self.groups < 1:
+                raise ValueError(f"groups must be a positive integer dividing d_model, got {self.groups!r}")
+            if not isinstance(self.key_dim, int) or self.key_dim < 0:
+                raise ValueError(f"key_dim must be a positive integer, or 0 for d_model / groups, "
+                                 f"got {self.key_dim!r}")
+            if not isinstance(self.qk_hidden, int) or self.qk_hidden < 1:
+                raise ValueError(f"qk_hidden must be a positive integer, got {self.qk_hidden!r}")
+            lam = self.lambda_
+            if lam != "learned" and not (isinstance(lam, (int, float)) and not isinstance(lam, bool)
+                                         and 0.0 < lam <= 1.0):
+                raise ValueError(f"lambda must be learned or a number in (0, 1], got {lam!r}")
+            if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+                raise ValueError(f"alpha must be a number > 0, got {self.alpha!r}")
+            if self.write == "outer":
+                for key, value, default in (("lambda", lam, "learned"), ("omega", self.omega, True),
+                                            ("alpha", self.alpha, 1.0)):
+                    if value != default:
+                        raise ValueError(f"{key} applies only to write=rls, so with write=outer it must stay "
+                                         f"{format_value(default)}, got {key}={format_value(value)}")
+
+    def __init__(self, cfg: Config, *, d_model: int, n_layers: int):
+        super().__init__(cfg, d_model=d_model, n_layers=n_layers)
+        G = cfg.groups
+        if d_model % G:
+            divisors = [str(n) for n in range(1, d_model + 1) if d_model % n == 0]
+            raise ValueError(f"groups={G} must divide d_model={d_model}; allowed: {', '.join(divisors)}")
+        self.G, self.dv = G, d_model // G
+        self.dk = cfg.key_dim or self.dv
+        self.rls = cfg.write == "rls"
+        self.uses_memory = cfg.read != "residual"
+        # read=memory writes the embedding first (spec §5), otherwise reads would all be zero.
+        self.embed_write = cfg.read == "memory"
+        self.omega_on = self.rls and cfg.omega
+        if not self.uses_memory:
+            return  # read=residual is PreLN: no memory, no parameters, nothing to compute.
+
+        key_out = G * self.dk + (G if self.omega_on else 0)  # ω comes from G extra key outputs (spec §4)
+        n_writes = n_layers + self.embed_write
+        self.keys = nn.ModuleList(SmallMLP(d_model, cfg.qk_hidden, key_out) for _ in range(n_writes))
+        # Readers 0..L-1 are the layers, L the head. Layer 0 reads the zero memory M_{-1} unless the embedding
+        # was written, so it gets a parameter-free placeholder instead of a query MLP that could never learn.
+        self.queries = nn.ModuleList(
+            SmallMLP(d_model, cfg.qk_hidden, G * self.dk) if (r > 0 or self.embed_write) else nn.Identity()
+            for r in range(n_layers + 1))
+        # Initialization: PyTorch's default Linear init, so keys and queries are random unit vectors at step 0;
+        # the ω outputs start at zero, so ω = 1 at step 0 (spec §4 leaves ω's init open).
+        if self.omega_on:
+            for mlp in self.keys:
+                nn.init.zeros_(mlp.fc2.weight[G * self.dk:])
+                nn.init.zeros_(mlp.fc2.bias[G * self.dk:])
+        if self.rls and cfg.lambda_ == "learned":
+            # One λ per write and group; the embedding write (read=memory) gets its own like any layer,
+            # a detail the spec leaves open.
+            self.theta = nn.Parameter(torch.full((n_writes, G), ldm_rls.theta_for_lambda()))
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _lambda(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """λ of write ``n`` per group, (g,)."""
+        if self.cfg.lambda_ == "learned":
+            return ldm_rls.forgetting_factor(self.theta[n].to(like.dtype))
+        return torch.full((self.G,), float(self.cfg.lambda_), dtype=like.dtype, device=like.device)
+
+    def _write_memory(self, state: LDMState, n: int, layer: int, value: torch.Tensor) -> tuple:
+        """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``state.x``: the new ``(M, P)``."""
+        dt = torch.promote_types(value.dtype, torch.float32)
+        G, dk = self.G, self.dk
+        with torch.autocast(device_type=value.device.type, enabled=False):
+            z = self.keys[n](state.x.to(dt))  # (b, t, g*k [+ g])
+            k = F.normalize(z[..., : G * dk].unflatten(-1, (G, dk)), dim=-1)  # (b, t, g, k)
+            v = value.to(dt).unflatten(-1, (G, self.dv))  # (b, t, g, v)
+            self.record("k", layer, k)
+            if not self.rls:
+                step = v.unsqueeze(-1) * k.unsqueeze(-2)  # v kᵀ, (b, t, g, v, k)
+                return (step if state.M is None else state.M + step), None
+            omega = ldm_rls.importance_weight(z[..., G * dk:]) if self.omega_on else torch.ones_like(k[..., 0])
+            lam = self._lambda(n, k)
+            self.record("omega", layer, omega)
+            self.record("lambda", layer, lam)
+            return ldm_rls.rls_write(state.M, state.P, k, v, lam, omega)
+
+    def _read(self, state: LDMState, reader: int) -> torch.Tensor:
+        """Reader ``reader``'s input: ``x``, ``x + concat_g(M^g q^g)`` or the memory read alone."""
+        x, M, P = state
+        if not self.uses_memory or M is None:  # M is None only while it is still M_{-1} = 0
+            return x
+        dt = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            q = self.queries[reader](x.to(dt)).unflatten(-1, (self.G, self.dk))  # (b, t, g, k)
+            q = F.normalize(q, dim=-1)
+            if self.rls:
+                # M = S P, so Mq = Σ_i β ω v_i k_iᵀ (P q): the mixing weights need P q (spec §7).
+                if self.trace is not None:
+                    self.record("Pq", reader, torch.einsum("btgij,btgj->btgi", P, q))
+            else:
+                self.record("q", reader, q)
+            m = torch.einsum("btgvk,btgk->btgv", M, q).flatten(-2)  # (b, t, g, v) -> (b, t, d)
+        m = m.to(x.dtype)
+        return m if self.cfg.read == "memory" else x + m
+
+    # -- the interface -------------------------------------------------------------------------------------
+    def init_state(self, e):
+        state = LDMState(e, None, None)
+        if self.uses_memory and self.rls:
+            dt = torch.promote_types(e.dtype, torch.float32)
+            P = ldm_rls.initial_inverse_covariance(self.cfg.alpha, (*e.shape[:2], self.G), self.dk,
+                                                   dtype=dt, device=e.device)
+            state = LDMState(e, None, P)
+        if self.embed_write:
+            # v_{-1} = e under a key from its own key MLP on e, before layer 0 (spec §5).
+            state = LDMState(e, *self._write_memory(state, 0, -1, e))
+        return state
+
+    def read(self, state, layer):
+        return self._read(state, layer)
+
+    def write(self, state, layer, out):
+        x = state.x + out if self.cfg.residual_write else state.x
+        if not self.uses_memory:
+            return LDMState(x, None, None)
+        M, P = self._write_memory(state, layer + self.embed_write, layer, out)
+        return LDMState(x, M, P)
+
+    def read_head(self, state):
+        return self._read(state, self.n_layers)
+
+    # -- introspection -------------------------------------------------------------------------------------
+    def mixing_matrix(self, trace):
+        """``c[l, i]``: residual ones (spec §2) plus ``q_lᵀ k_i`` (LDM) or ``ω_i β_{l-1,i} k_iᵀ P_{l-1} q_l``
+        (LDM-RLS) per group, for the memory reads (spec §7)."""
+        L, G = self.n_layers, (self.G if self.uses_memory else 1)
+        b, t, _ = trace.embed.shape
+        c = trace.embed.new_zeros(b, t, L + 1, L + 1, G)
+        if self.cfg.read != "memory":
+            c[:, :, :, 0] = 1.0  # the embedding is in x
+            if self.cfg.residual_write:
+                c[:, :, :, 1:] += torch.ones(L + 1, L, dtype=c.dtype, device=c.device).tril(-1)[..., None]
+        if not self.uses_memory:
+            return c
+        rec = trace.mixer
+        writers = ([-1] if self.embed_write else []) + list(range(L))  # write order; source of writer i is i+1
+        for reader in range(L + 1):
+            held = writers[: reader + self.embed_write]  # writes made before this reader
+            if not held:
+                continue
+            q = rec[("Pq", reader)] if self.rls else rec[("q", reader)]  # (b, t, g, k)
+            if self.rls:
+                lam = torch.stack([rec[("lambda", w)] for w in held])  # (n, g)
+                # β_{l-1,i} = Π of the λ of the writes after i: a reversed cumulative product.
+                later = torch.cat([lam[1:], torch.ones_like(lam[:1])])
+                beta = torch.flip(torch.cumprod(torch.flip(later, [0]), 0), [0])  # (n, g)
+            for j, w in enumerate(held):
+                weight = (rec[("k", w)] * q).sum(-1)  # k_iᵀ q or k_iᵀ P q, (b, t, g)
+                if self.rls:
+                    weight = weight * rec[("omega", w)] * beta[j]
+                c[:, :, reader, w + 1] += weight.to(c.dtype)
+        return c
+
+    def stream_floats_per_token(self):
+        """d for x, plus G·(d/G)·d_k for M and, with RLS, G·d_k² for P (nothing extra for read=residual)."""
+        if not self.uses_memory:
+            return self.d_model
+        return self.d_model + self.G * self.dv * self.dk + (self.G * self.dk ** 2 if self.rls else 0)
+
+    def extra_flops_per_token(self):
+        """Analytic forward FLOPs per token over PreLN (a multiply-add counts 2).
+
+        Per MLP: norm ≈ 4d, two matmuls 2·d·h + 2·h·o with biases h + o, SiLU ≈ 4h, L2 norm of the output ≈ 3o.
+        Per memory read: M q is 2·G·dv·dk, plus d for adding x. Per outer write: v kᵀ added is 2·G·dv·dk.
+        Per RLS write: √ω scaling G·(dk + dv); P k̄ 2·G·dk²; s 2·G·dk; κ G·dk; M k̄ and u 2·G·dv·dk + d;
+        M += uκᵀ 2·G·dv·dk; P −= (Pk̄)(Pk̄)ᵀ/s then /λ 4·G·dk²; λ and ω themselves are O(G) and left out.
+        """
+        if not self.uses_memory:
+            return 0
+        d, h, G, dv, dk = self.d_model, self.cfg.qk_hidden, self.G, self.dv, self.dk
+
+        def mlp(out: int) -> int:
+            return 4 * d + 2 * d * h + 2 * h * out + h + out + 4 * h + 3 * out
+
+        n_reads = sum(isinstance(m, SmallMLP) for m in self.queries)
+        n_writes = len(self.keys)
+        key_out = G * dk + (G if self.omega_on else 0)
+        read = mlp(G * dk) + 2 * G * dv * dk + d
+        if self.rls:
+            write = mlp(key_out) + G * (dk + dv) + 2 * G * dk * dk + 3 * G * dk + 4 * G * dv * dk + d \
+                + 4 * G * dk * dk
+        else:
+            write = mlp(key_out) + 2 * G * dv * dk
+        return n_reads * read + n_writes * write
+
+
+register("ldm-rls", defaults={"write": "rls"},
+         description="LDM with the exact recursive-least-squares memory: forgetting λ, importance ω, ridge α")(LDM)

@@ -1,0 +1,277 @@
+"""LDM and LDM-RLS (spec §3–§5, §7): PreLN equivalence, the exact ridge solution, groups, forgetting, ω, gradients
+and the mixing matrix, all in float64 on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import variants
+from harness import build_model, model_preset
+from harness.model import Trace
+from variants import ldm_rls
+from variants.ldm import SmallMLP
+
+D, L, T = 64, 4, 16
+
+
+def _model(spec: str, **overrides):
+    return build_model(model_preset("tiny", **overrides), spec).to(torch.float64)
+
+
+def _mixer(spec: str, d: int = 16, n_layers: int = 5):
+    return variants.build(spec, d_model=d, n_layers=n_layers).to(torch.float64)
+
+
+@torch.no_grad()
+def _randomize(mixer):
+    """Move λ and ω away from their initial values, so every weight in the closed form differs."""
+    if hasattr(mixer, "theta"):
+        mixer.theta.uniform_(-3.0, 3.0)
+    if mixer.uses_memory and mixer.omega_on:
+        for mlp in mixer.keys:
+            mlp.fc2.weight[mixer.G * mixer.dk:].normal_()
+            mlp.fc2.bias[mixer.G * mixer.dk:].normal_()
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _brute_force_memory(keys, values, lambdas, omegas, alpha):
+    """M after the last write as an explicit ridge least-squares problem, stacked rows solved by lstsq.
+
+    keys (n, ..., k), values (n, ..., v), lambdas and omegas (n, ...): rows √(β_i ω_i) k_iᵀ with targets
+    √(β_i ω_i) v_iᵀ, plus k ridge rows √(β_{-1}/α) e_jᵀ with target 0.
+    """
+    n, k = keys.shape[0], keys.shape[-1]
+    rows, targets = [], []
+    for i in range(n):
+        beta = torch.ones_like(lambdas[0])
+        for j in range(i + 1, n):
+            beta = beta * lambdas[j]
+        w = (beta * omegas[i]).sqrt().unsqueeze(-1)
+        rows.append(w * keys[i])
+        targets.append(w * values[i])
+    beta_ridge = torch.ones_like(lambdas[0])
+    for j in range(n):
+        beta_ridge = beta_ridge * lambdas[j]
+    ridge = (beta_ridge / alpha).sqrt()[..., None, None] * torch.eye(k, dtype=keys.dtype)
+    A = torch.cat([torch.stack(rows, -2), ridge.expand(*keys.shape[1:-1], k, k)], -2)  # (..., n+k, k)
+    B = torch.cat([torch.stack(targets, -2), torch.zeros(*values.shape[1:-1], k, values.shape[-1],
+                                                         dtype=values.dtype)], -2)  # (..., n+k, v)
+    return torch.linalg.lstsq(A, B).solution.transpose(-1, -2), A  # (..., v, k)
+
+
+# -- spec §5: read=residual is PreLN ---------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["ldm(read=residual)", "ldm-rls(read=residual)"])
+def test_read_residual_equals_preln(spec, rng_seed):
+    preln = _model("preln")
+    with torch.no_grad():
+        for layer in preln.layers:
+            layer.norm.weight.uniform_(0.5, 1.5)
+    model = _model(spec)
+    model.load_state_dict(preln.state_dict(), strict=True)
+    idx = torch.randint(0, 512, (2, T))
+    with torch.no_grad():
+        assert torch.equal(model(idx), preln(idx))
+    assert model.mixer.extra_params() == 0
+
+
+# -- spec §4: the recursion is the exact ridge solution -------------------------------------------------------
+@pytest.mark.parametrize("groups", [1, 4])
+def test_rls_step_matches_brute_force_ridge_for_random_inputs(groups, rng_seed):
+    n, b, dv, dk, alpha = 6, 3, 5, 4, 0.37
+    keys = torch.randn(n, b, groups, dk, dtype=torch.float64)  # deliberately not unit length
+    values = torch.randn(n, b, groups, dv, dtype=torch.float64)
+    lambdas = torch.empty(n, groups, dtype=torch.float64).uniform_(0.3, 1.0)
+    omegas = torch.empty(n, b, groups, dtype=torch.float64).uniform_(0.2, 1.8)
+    M, P = None, ldm_rls.initial_inverse_covariance(alpha, (b, groups), dk, dtype=torch.float64, device="cpu")
+    reference = ldm_rls.closed_form_memory(keys, values, lambdas[:, None], omegas, alpha)
+    for i in range(n):
+        M, P = ldm_rls.rls_write(M, P, keys[i], values[i], lambdas[i], omegas[i])
+        lam = lambdas[: i + 1, None].expand(-1, b, -1)
+        brute, A = _brute_force_memory(keys[: i + 1], values[: i + 1], lam, omegas[: i + 1], alpha)
+        assert _rel(M, brute) < 1e-9
+        assert _rel(reference[i], brute) < 1e-9
+        assert _rel(P, torch.linalg.inv(A.mT @ A)) < 1e-9
+        assert torch.equal(P, P.mT)
+        assert torch.linalg.eigvalsh(P).min() > 0
+
+
+@pytest.mark.parametrize("read", ["residual+memory", "memory"])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_ldm_rls_memory_after_every_layer_is_closed_form(groups, read, rng_seed):
+    alpha = 2.3
+    mixer = _mixer(f"ldm-rls(groups={groups},alpha={alpha},read={read})")
+    _randomize(mixer)
+    mixer.trace = {}
+    e = torch.randn(2, 3, 16, dtype=torch.float64)
+    writes = [("embed", -1, e)] if read == "memory" else []
+    with torch.no_grad():
+        state = mixer.init_state(e)
+        for layer in range(mixer.n_layers):
+            mixer.read(state, layer)
+            v = torch.randn_like(e)
+            state = mixer.write(state, layer, v)
+            writes.append(("layer", layer, v))
+            keys = torch.stack([mixer.trace[("k", w)] for _, w, _ in writes])  # (n, b, t, g, k)
+            values = torch.stack([val.unflatten(-1, (groups, 16 // groups)) for *_, val in writes])
+            omegas = torch.stack([mixer.trace[("omega", w)] for _, w, _ in writes])  # (n, b, t, g)
+            lambdas = torch.stack([mixer.trace[("lambda", w)] for _, w, _ in writes])  # (n, g)
+            brute, A = _brute_force_memory(keys, values, lambdas[:, None, None].expand_as(omegas), omegas, alpha)
+            assert _rel(state.M, brute) < 1e-9, f"layer {layer}"
+            assert torch.equal(state.P, state.P.mT)
+            assert torch.linalg.eigvalsh(state.P).min() > 0
+            assert _rel(state.P, torch.linalg.inv(A.mT @ A)) < 1e-9
+    assert lambdas.max() - lambdas.min() > 1e-3 and omegas.std() > 0.1  # the weights really vary
+
+
+@pytest.mark.parametrize("write", ["outer", "rls"])
+def test_groups_equal_independent_one_group_memories(write, rng_seed):
+    G, d = 4, 16
+    dv = d // G
+    mixer = _mixer(f"ldm(write={write},groups={G},key_dim=3)", d=d)
+    _randomize(mixer)
+    mixer.trace = {}
+    e = torch.randn(2, 3, d, dtype=torch.float64)
+    single = [(None, ldm_rls.initial_inverse_covariance(1.0, (2, 3, 1), 3, dtype=torch.float64, device="cpu"))
+              for _ in range(G)]
+    with torch.no_grad():
+        state = mixer.init_state(e)
+        for layer in range(mixer.n_layers):
+            a = mixer.read(state, layer)
+            if state.M is not None:
+                q = F.normalize(mixer.queries[layer](state.x).unflatten(-1, (G, 3)), dim=-1)  # (b, t, g, k)
+                for g in range(G):
+                    Mg = single[g][0][..., 0, :, :]  # (b, t, v, k)
+                    read_g = torch.einsum("btvk,btk->btv", Mg, q[..., g, :])
+                    torch.testing.assert_close(a[..., g * dv:(g + 1) * dv],
+                                               state.x[..., g * dv:(g + 1) * dv] + read_g, rtol=1e-12, atol=1e-12)
+            v = torch.randn_like(e)
+            state = mixer.write(state, layer, v)
+            k = mixer.trace[("k", layer)]
+            for g in range(G):
+                kg, vg = k[..., g:g + 1, :], v[..., None, g * dv:(g + 1) * dv]  # (b, t, 1, k), (b, t, 1, v)
+                M1, P1 = single[g]
+                if write == "outer":
+                    step = vg.unsqueeze(-1) * kg.unsqueeze(-2)
+                    single[g] = (step if M1 is None else M1 + step, None)
+                else:
+                    lam = mixer.trace[("lambda", layer)][g:g + 1]
+                    omega = mixer.trace[("omega", layer)][..., g:g + 1]
+                    single[g] = ldm_rls.rls_write(M1, P1, kg, vg, lam, omega)
+                torch.testing.assert_close(state.M[..., g, :, :], single[g][0][..., 0, :, :], rtol=1e-12, atol=1e-12)
+
+
+# -- forgetting and importance --------------------------------------------------------------------------------
+@pytest.mark.parametrize("lam", [0.6, 0.9, 1.0])
+def test_rls_forgets_with_lambda_lt_1(lam, rng_seed):
+    """Values written under one key are read back weighted λ^(age): older writes fade unless λ = 1."""
+    n, dv, dk = 4, 8, 5
+    k = F.normalize(torch.randn(dk, dtype=torch.float64), dim=0)
+    values = torch.randn(n, dv, dtype=torch.float64)
+    M, P = None, ldm_rls.initial_inverse_covariance(1.0, (), dk, dtype=torch.float64, device="cpu")
+    lam_t, one = torch.tensor(lam, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    for i in range(n):
+        M, P = ldm_rls.rls_write(M, P, k, values[i], lam_t, one)
+    coef = torch.linalg.lstsq(values.T, M @ k).solution  # M k = Σ_i c_i v_i
+    expected = torch.tensor([lam ** (n - 1 - i) for i in range(n)], dtype=torch.float64)
+    torch.testing.assert_close(coef / coef[-1], expected, rtol=1e-9, atol=1e-12)
+    if lam < 1:
+        assert coef[0] < coef[-1]
+
+
+def test_omega_off_gives_unit_weights_and_equals_zero_omega_outputs(rng_seed):
+    off = _model("ldm-rls(groups=4,omega=off)")
+    on = _model("ldm-rls(groups=4)")
+    G, dk = 4, 16
+    with torch.no_grad():  # same weights; ω outputs of the on-model are zero at init, so ω = 1 there too
+        state = off.state_dict()
+        for name, p in on.state_dict().items():
+            src = state[name]
+            p.copy_(src if p.shape == src.shape else torch.cat([src, p[G * dk:]]))
+    assert off.mixer.keys[0].fc2.out_features == G * dk
+    idx = torch.randint(0, 512, (2, T))
+    trace = Trace()
+    with torch.no_grad():
+        y_off = off(idx, trace=trace)
+        torch.testing.assert_close(on(idx), y_off, rtol=1e-12, atol=1e-12)
+        assert all(torch.equal(v, torch.ones_like(v)) for (key, _), v in trace.mixer.items() if key == "omega")
+        _randomize(on.mixer)
+        assert _rel(on(idx), y_off) > 1e-6  # ω really enters the model when it is on
+
+
+# -- gradients --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["ldm", "ldm-rls", "ldm-rls(read=memory)"])
+def test_gradients_reach_every_parameter(spec, rng_seed):
+    model = _model(spec)
+    idx = torch.randint(0, 512, (2, T))
+    F.cross_entropy(model(idx).flatten(0, 1), torch.randint(0, 512, (2 * T,))).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    mixer = model.mixer
+    if mixer.rls:
+        assert (mixer.theta.grad != 0).all()
+        for mlp in mixer.keys:  # ω's outputs
+            assert (mlp.fc2.weight.grad[mixer.G * mixer.dk:].abs().sum(-1) > 0).all()
+
+
+# -- spec §7: the mixing matrix -----------------------------------------------------------------------------------
+MIXING_SPECS = [
+    "ldm", "ldm-rls", "ldm(groups=4,key_dim=6)", "ldm-rls(groups=1,alpha=0.5,lambda=0.7)",
+    "ldm(read=memory)", "ldm-rls(read=memory,groups=4)", "ldm(residual_write=off,groups=4)",
+    "ldm-rls(read=memory,residual_write=off,groups=2)", "ldm(read=residual)",
+    "ldm-rls(read=residual,residual_write=off)",
+]
+
+
+@pytest.mark.parametrize("spec", MIXING_SPECS)
+def test_mixing_matrix_reproduces_layer_inputs(spec, rng_seed):
+    model = _model(spec)
+    _randomize(model.mixer)
+    trace = Trace()
+    with torch.no_grad():
+        model(torch.randint(0, 512, (2, T)), trace=trace)
+    c = model.mixer.mixing_matrix(trace)  # (b, t, L+1, L+1, g)
+    G = c.shape[-1]
+    assert c.shape == (2, T, L + 1, L + 1, G)
+    src = torch.stack([trace.embed] + trace.outputs, 2).unflatten(-1, (G, D // G))  # (b, t, s, g, v)
+    for reader, target in enumerate(trace.inputs + [trace.head_input]):
+        rebuilt = torch.einsum("bsg,bsgv->bgv", c[:, :, reader].flatten(0, 1), src.flatten(0, 1))
+        torch.testing.assert_close(rebuilt.flatten(-2), target.flatten(0, 1), rtol=1e-10, atol=1e-10)
+
+
+# -- precision and costs ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["ldm", "ldm-rls(read=memory)"])
+def test_memory_math_stays_float32_under_bf16(spec, rng_seed):
+    model = build_model(model_preset("tiny"), spec)
+    idx = torch.randint(0, 512, (2, T))
+    trace = Trace()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(idx, trace=trace)
+    assert all(v.dtype == torch.float32 for v in trace.mixer.values())
+    assert torch.isfinite(y).all()
+    model = model.to(torch.bfloat16)  # bf16 parameters too: keys and the memory are still float32
+    trace = Trace()
+    with torch.no_grad():
+        assert torch.isfinite(model(idx, trace=trace).float()).all()
+    assert all(v.dtype == torch.float32 for v in trace.mixer.values())
+
+
+@pytest.mark.parametrize("spec, floats", [
+    ("ldm", D + 16 * 4 * 4), ("ldm-rls", D + 16 * 4 * 4 + 16 * 4 * 4),
+    ("ldm(groups=4,key_dim=8)", D + 4 * 16 * 8), ("ldm-rls(groups=2,key_dim=3)", D + 2 * 32 * 3 + 2 * 9),
+    ("ldm-rls(read=residual)", D),
+])
+def test_costs(spec, floats):
+    mixer = variants.build(spec, d_model=D, n_layers=L)
+    assert mixer.stream_floats_per_token() == floats
+    if not mixer.uses_memory:
+        assert mixer.extra_flops_per_token() == 0 and mixer.extra_params() == 0
+        return
+    n_mlps = sum(isinstance(m, SmallMLP) for m in [*mixer.keys, *mixer.queries])
+    # The MLP matmuls alone are a floor for the count.
+    assert mixer.extra_flops_per_token() > n_mlps * 2 * D * mixer.cfg.qk_hidden
+    assert mixer.extra_params() == sum(p.numel() for p in mixer.parameters()) > 0

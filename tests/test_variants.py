@@ -1,0 +1,148 @@
+"""Every registered variant on the tiny preset (d=64, 4 layers, T=16, float64): shapes, causality, gradients,
+the mixing matrix, the LDM knob grid, and one-sentence errors for bad names and values.
+
+Parametrized over ``variants.names()``, so a newly registered variant is covered without editing this file.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import variants
+from harness import build_model, model_preset
+from harness.errors import UsageError
+from harness.model import Trace
+
+T, VOCAB = 16, 512
+
+
+def _model(spec: str):
+    return build_model(model_preset("tiny"), spec).to(torch.float64)
+
+
+@pytest.fixture(scope="module", params=variants.names())
+def name(request) -> str:
+    return request.param
+
+
+def test_shapes_are_preserved(name, rng_seed):
+    model = _model(name)
+    idx = torch.randint(0, VOCAB, (3, T))
+    trace = Trace()
+    with torch.no_grad():
+        logits = model(idx, trace=trace)
+    assert logits.shape == (3, T, VOCAB) and torch.isfinite(logits).all()
+    assert len(trace.inputs) == len(trace.outputs) == model.n_layers
+    assert all(a.shape == (3, T, 64) for a in [*trace.inputs, *trace.outputs, trace.head_input])
+
+
+def test_causal(name, rng_seed):
+    model = _model(name).eval()
+    idx = torch.randint(0, VOCAB, (2, T))
+    t = int(torch.randint(0, T - 1, ()))
+    changed = idx.clone()
+    changed[:, t + 1:] = torch.randint(0, VOCAB, (2, T - t - 1))
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])  # the change is visible after t
+
+
+def test_every_parameter_gets_a_gradient(name, rng_seed):
+    model = _model(name)
+    idx = torch.randint(0, VOCAB, (2, T))
+    F.cross_entropy(model(idx).flatten(0, 1), torch.randint(0, VOCAB, (2 * T,))).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not missing, f"no (finite) gradient for {missing}"
+
+
+def test_mixing_matrix_reproduces_layer_inputs(name, rng_seed):
+    """Each layer's input (and the head's) is Σ_i c[l, i, g]·source_i per channel group (spec §7)."""
+    model = _model(name)
+    trace = Trace()
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (2, T)), trace=trace)
+    L = model.n_layers
+    c = model.mixer.mixing_matrix(trace)
+    G = c.shape[-1]
+    assert c.shape == (2, T, L + 1, L + 1, G) and 64 % G == 0
+    src = torch.stack([trace.embed] + trace.outputs, 2).unflatten(-1, (G, 64 // G))  # (b, t, s, g, v)
+    for reader, target in enumerate(trace.inputs + [trace.head_input]):
+        rebuilt = torch.einsum("btsg,btsgv->btgv", c[:, :, reader], src).flatten(-2)
+        torch.testing.assert_close(rebuilt, target, rtol=1e-9, atol=1e-9, msg=f"reader {reader}")
+
+
+def test_costs_are_reported(name):
+    mixer = variants.build(name, d_model=64, n_layers=4)
+    assert isinstance(mixer.stream_floats_per_token(), int) and mixer.stream_floats_per_token() >= 64
+    assert isinstance(mixer.extra_flops_per_token(), int) and mixer.extra_flops_per_token() >= 0
+    assert mixer.extra_params() >= 0
+
+
+# -- the LDM knob grid: every valid combination builds and trains ------------------------------------------------
+def _ldm_grid() -> list[str]:
+    specs = []
+    for write, read, rw, groups in itertools.product(("outer", "rls"), ("residual+memory", "memory", "residual"),
+                                                     ("on", "off"), (1, 4)):
+        base = f"ldm(write={write},read={read},residual_write={rw},groups={groups}"
+        if write == "outer":  # λ and ω are RLS knobs: with write=outer they are errors by design
+            specs.append(base + ")")
+            continue
+        for lam, omega in itertools.product(("learned", "0.9"), ("on", "off")):
+            specs.append(base + f",lambda={lam},omega={omega})")
+    return specs
+
+
+@pytest.mark.parametrize("spec", _ldm_grid())
+def test_ldm_knob_grid_builds_and_runs(spec, rng_seed):
+    model = _model(spec)
+    idx = torch.randint(0, VOCAB, (2, T))
+    logits = model(idx)
+    assert logits.shape == (2, T, VOCAB)
+    loss = F.cross_entropy(logits.flatten(0, 1), torch.randint(0, VOCAB, (2 * T,)))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# -- bad names and values: one sentence naming the allowed values --------------------------------------------
+@pytest.mark.parametrize("spec, expected", [
+    ("ldm-rsl", ["'ldm-rls'", "preln"]),  # unknown variant: closest name, then the list
+    ("ldm(group=4)", ["'groups'", "key_dim"]),  # unknown knob
+    ("ldm(groups=four)", ["groups", "divisor"]),  # wrong type
+    ("ldm-rls(alpha=big)", ["alpha", "> 0"]),
+    ("ldm(write=sum)", ["outer", "rls"]),
+    ("ldm(read=both)", ["residual+memory", "memory", "residual"]),
+    ("ldm(residual_write=maybe)", ["on", "off"]),
+    ("ldm(groups=3)", ["groups=3", "1, 2, 4, 8, 16, 32, 64"]),  # does not divide d = 64
+    ("ldm(groups=0)", ["groups", "positive"]),
+    ("ldm(key_dim=-1)", ["key_dim", "positive integer", "0 for d_model / groups"]),
+    ("ldm-rls(lambda=0)", ["lambda", "learned", "(0, 1]"]),
+    ("ldm-rls(lambda=1.5)", ["lambda", "learned", "(0, 1]"]),
+    ("ldm-rls(lambda=fast)", ["lambda", "learned", "(0, 1]"]),
+    ("ldm-rls(alpha=0)", ["alpha", "> 0"]),
+    ("ldm-rls(alpha=-2)", ["alpha", "> 0"]),
+    ("ldm(lambda=0.9)", ["lambda", "write=rls"]),  # an RLS knob with write=outer
+    ("ldm(omega=off)", ["omega", "write=rls"]),
+    ("ldm(alpha=2)", ["alpha", "write=rls"]),
+])
+def test_bad_names_and_values_raise_one_sentence(spec, expected):
+    with pytest.raises(UsageError) as info:
+        variants.build(spec, d_model=64, n_layers=4)
+    message = str(info.value)
+    assert "\n" not in message and message.count(". ") <= 1, message  # one sentence (plus a "Did you mean" hint)
+    for word in expected:
+        assert word in message, message
+    with pytest.raises(UsageError):  # the run config's validation path says the same
+        variants.validate(spec, d_model=64, n_layers=4)
+
+
+def test_defaults_and_names_round_trip():
+    assert variants.canonical("ldm(write=rls)") == "ldm(write=rls)"
+    assert variants.canonical("ldm-rls(groups=16,lambda=learned,omega=on)") == "ldm-rls"
+    assert variants.canonical("ldm-rls(lambda=1)") == "ldm-rls(lambda=1.0)"
+    assert variants.build("ldm-rls(key_dim=0)", d_model=64, n_layers=4).dk == 64 // 16
