@@ -1,0 +1,315 @@
+"""The report on a synthetic results tree with known numbers: tables against scipy, listings, figures, reruns."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from harness import figures as figs
+from harness.aggregate import aggregate, load_sweep, split_variant
+from harness.cli import main as cli_main
+from harness.errors import UsageError
+from harness.report import report, report_spec, resolve_target
+
+pytestmark = pytest.mark.xdist_group("report")
+
+N_LAYERS = 4
+TASKS = {"arc_easy": ("acc", "acc_norm"), "piqa": ("acc", "acc_norm"), "lambada_openai": ("acc", "perplexity")}
+# (variant as a user writes it, seeds, state, message): every run of the synthetic sweep.
+RUNS = [
+    ("preln", (0, 1, 2), "done", ""),
+    ("ldm-rls", (0, 1, 2), "done", ""),
+    ("ldm-rls(groups=4)", (0, 1), "done", ""),
+    ("ldm-rls(omega=off)", (0, 1, 2), "done", ""),
+    ("attnres", (0,), "done", ""),
+    ("hc", (0,), "failed", "CUDA out of memory at step 12"),
+    ("ldm", (5,), "diverged", "non-finite loss at step 30"),
+    ("preln", (3,), "running", ""),
+]
+PRESET = {"preset": "tiny", "vocab_size": 512, "d_model": 64, "n_blocks": N_LAYERS // 2, "n_heads": 4,
+          "ffn_hidden": 192, "max_seq_len": 64}
+
+
+def _write_run(folder, variant, seed, state, message, rng):
+    folder.mkdir(parents=True)
+    config = {"name": "synthetic", "variant": variant, "model": PRESET, "data": {"corpus": "shakespeare"},
+              "train": {"seed": seed, "lr": 3e-3}, "eval": {"tasks": list(TASKS)}, "slurm": {"partition": ""}}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "status.json").write_text(json.dumps({"state": state, "step": 40 if state == "done" else 20,
+                                                    "message": message, "job_id": "1", "node": "n1"}))
+    steps = [0, 10, 20, 30, 40] if state == "done" else [0, 10, 20]
+    val = 6.0 - 0.05 * np.arange(len(steps)) + rng.uniform(0.0, 0.2)
+    lines = ["step,tokens,train_loss,val_loss,val_bpb,lr,grad_norm,tokens_per_s"]
+    for i, step in enumerate(steps):
+        # Validation only on even rows: blanks where a metric was not measured.
+        v = f"{val[i]:.6f}" if i % 2 == 0 else ""
+        lines.append(f"{step},{step * 1000},{val[i] + 0.1:.6f},{v},,0.003,{rng.uniform(0.5, 2):.4f},1000")
+    (folder / "metrics.csv").write_text("\n".join(lines) + "\n")
+    layer_lines = ["step,layer,kind,input_rms,output_rms,grad_norm"]
+    for step in (0, steps[-1]):
+        for layer in range(N_LAYERS):
+            layer_lines.append(f"{step},{layer},{'attn' if layer % 2 == 0 else 'mlp'},{rng.uniform(0.5, 2):.5f},"
+                               f"{rng.uniform(0.1, 1):.5f},{rng.uniform(0.01, 0.1):.5f}")
+    (folder / "layers.csv").write_text("\n".join(layer_lines) + "\n")
+    if state != "done":
+        return None
+    final = float(rng.normal(3.3, 0.05))
+    summary = {"val_loss": final, "val_bpb": final / math.log(2), "val_ppl": math.exp(final), "step": 40,
+               "tokens": 40000, "params": 100000 + 1000 * len(variant), "extra_params": 1000 * len(variant),
+               "stream_floats_per_token": 64 * (1 + len(variant) % 3), "extra_flops_per_token": 5000,
+               "tokens_per_s": float(rng.uniform(900, 1100)), "peak_mem_bytes": int(rng.uniform(1e8, 2e8)),
+               "wall_s": 12.5}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    matrix = np.tril(rng.uniform(0.1, 1.0, (N_LAYERS + 1, N_LAYERS + 1)))
+    (folder / "mixing.json").write_text(json.dumps({
+        "readers": [f"layer {i}" for i in range(N_LAYERS)] + ["head"], "sources": ["embed"] +
+        [f"v{i}" for i in range(N_LAYERS)], "groups": 1, "matrix": matrix.tolist(), "per_group": [matrix.tolist()]}))
+    eval_lines = ["task,metric,value,stderr"]
+    for task, metrics in TASKS.items():
+        for metric in metrics:
+            eval_lines.append(f"{task},{metric},{rng.uniform(0.2, 0.8):.6f},0.01")
+    (folder / "eval").mkdir()
+    (folder / "eval" / "table.csv").write_text("\n".join(eval_lines) + "\n")
+    return summary
+
+
+@pytest.fixture(scope="module")
+def sweep_tree(tmp_path_factory):
+    """A results tree of known numbers (fresh random per session), its bench CSV, and the expected finals."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    root = tmp_path_factory.mktemp(f"results-seed{seed}") / "synthetic"
+    finals: dict[str, list[dict]] = {}
+    for variant, seeds, state, message in RUNS:
+        for s in seeds:
+            folder = root / variant.replace("(", "_").replace(")", "").replace("=", "-") / f"run-s{s}"
+            summary = _write_run(folder, variant, s, state, message, rng)
+            if summary is not None:
+                finals.setdefault(split_variant(variant)[0], []).append(
+                    {"summary": summary, "eval": pd.read_csv(folder / "eval" / "table.csv")})
+    # A running run's metrics.csv with a last line still being appended.
+    with open(root / "preln" / "run-s3" / "metrics.csv", "a") as f:
+        f.write("30,30000,5.7")
+    # A finished run whose summary.json was cut off mid-write: listed, noted, never averaged.
+    broken = root / "mhc" / "run-s0"
+    _write_run(broken, "mhc", 0, "done", "", rng)
+    (broken / "summary.json").write_text('{"val_loss": 3.2, "step"')
+    bench = pd.DataFrame([{"variant": v, "depth": d, "width": 256, "seq_len": 256, "step_time_ms": t,
+                           "ratio_time": t / (10.0 * d), "peak_mem_bytes": 1e8 * d, "ratio_mem": r}
+                          for v, r in (("preln", 1.0), ("ldm-rls", 1.3)) for d in (4, 8, 16)
+                          for t in [10.0 * d * r]])
+    bench.to_csv(root / "bench.csv", index=False)
+    out = tmp_path_factory.mktemp("report-out")
+    path = report(root, out_dir=out)
+    return {"root": root, "out": out, "report": path, "finals": finals, "seed": seed}
+
+
+def _losses(tree, variant):
+    return np.array([f["summary"]["val_loss"] for f in tree["finals"][split_variant(variant)[0]]])
+
+
+def _row(frame, variant):
+    rows = frame[frame["variant"] == split_variant(variant)[0]]
+    assert len(rows) == 1, f"expected one row for {variant}"
+    return rows.iloc[0]
+
+
+def test_main_table_means_cis_and_welch_differences_match_scipy(sweep_tree):
+    main = pd.read_csv(sweep_tree["out"] / "tables" / "main.csv")
+    base = _losses(sweep_tree, "preln")
+    for variant in ("preln", "ldm-rls", "ldm-rls(omega=off)", "ldm-rls(groups=4)"):
+        x, row = _losses(sweep_tree, variant), _row(main, variant)
+        lo, hi = stats.t.interval(0.95, len(x) - 1, loc=x.mean(), scale=stats.sem(x))
+        assert row["seeds"] == len(x)
+        assert row["val_loss"] == pytest.approx(x.mean(), rel=1e-12)
+        assert row["val_loss_ci95"] == pytest.approx((hi - lo) / 2, rel=1e-9)
+        ppl = np.exp(x)
+        plo, phi = stats.t.interval(0.95, len(x) - 1, loc=ppl.mean(), scale=stats.sem(ppl))
+        assert row["val_ppl"] == pytest.approx(ppl.mean(), rel=1e-12)
+        assert row["val_ppl_ci95"] == pytest.approx((phi - plo) / 2, rel=1e-9)
+        if variant != "preln":
+            welch = stats.ttest_ind(x, base, equal_var=False)
+            ci = welch.confidence_interval(0.95)
+            assert row["delta"] == pytest.approx(x.mean() - base.mean(), rel=1e-12)
+            assert row["delta_ci95"] == pytest.approx((ci.high - ci.low) / 2, rel=1e-9)
+            assert row["welch_dof"] == pytest.approx(welch.df, rel=1e-9)
+    one_seed = _row(main, "attnres")
+    assert one_seed["seeds"] == 1 and math.isnan(one_seed["val_loss_ci95"]) and math.isnan(one_seed["delta_ci95"])
+    text = sweep_tree["report"].read_text()
+    assert f"{_losses(sweep_tree, 'attnres')[0]:.4f} (no CI: one seed)" in text
+    x = _losses(sweep_tree, "ldm-rls")
+    half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+    assert f"{x.mean():.4f} ± {half:.4f}" in text
+
+
+def test_unfinished_runs_are_listed_and_never_averaged(sweep_tree):
+    text = sweep_tree["report"].read_text()
+    excluded = pd.read_csv(sweep_tree["out"] / "tables" / "excluded_runs.csv")
+    states = dict(zip(excluded["variant"], excluded["state"]))
+    assert states[split_variant("hc")[0]] == "failed"
+    assert states[split_variant("ldm")[0]] == "diverged"
+    assert states[split_variant("mhc")[0]] == "done"
+    assert "running" in set(excluded["state"])
+    for message in ("CUDA out of memory at step 12", "non-finite loss at step 30",
+                    "finished without a readable final validation loss"):
+        assert message in text
+    assert "mhc/run-s0/summary.json" in text  # the unreadable file is named
+    main = pd.read_csv(sweep_tree["out"] / "tables" / "main.csv")
+    assert _row(main, "preln")["seeds"] == 3  # the running fourth seed is not averaged in
+    assert _row(main, "hc")["seeds"] == 0 and "no finished run" in text
+
+
+def test_ablation_table_is_against_default_ldm_rls(sweep_tree):
+    abl = pd.read_csv(sweep_tree["out"] / "tables" / "ablations.csv")
+    ref = _losses(sweep_tree, "ldm-rls")
+    assert abl.iloc[0]["variant"] == split_variant("ldm-rls")[0]
+    assert set(abl["variant"]) == {split_variant(v)[0] for v in
+                                   ("ldm-rls", "ldm-rls(groups=4)", "ldm-rls(omega=off)", "ldm")}
+    for variant in ("ldm-rls(groups=4)", "ldm-rls(omega=off)"):
+        x, row = _losses(sweep_tree, variant), _row(abl, variant)
+        ci = stats.ttest_ind(x, ref, equal_var=False).confidence_interval(0.95)
+        assert row["delta"] == pytest.approx(x.mean() - ref.mean(), rel=1e-12)
+        assert row["delta_ci95"] == pytest.approx((ci.high - ci.low) / 2, rel=1e-9)
+    assert _row(abl, "ldm")["seeds"] == 0  # diverged: shown, not averaged
+
+
+def test_downstream_uses_acc_norm_where_reported_and_averages_tasks(sweep_tree):
+    down = pd.read_csv(sweep_tree["out"] / "tables" / "downstream.csv")
+    for variant in ("preln", "ldm-rls", "attnres"):
+        evals = [f["eval"] for f in sweep_tree["finals"][split_variant(variant)[0]]]
+        expected = {}
+        for task, metric in (("arc_easy", "acc_norm"), ("piqa", "acc_norm"), ("lambada_openai", "acc")):
+            expected[task] = np.mean([e[(e.task == task) & (e.metric == metric)]["value"].item() for e in evals])
+        row = _row(down, variant)
+        for task, value in expected.items():
+            assert row[task] == pytest.approx(value, rel=1e-12)
+        assert row["average"] == pytest.approx(np.mean(list(expected.values())), rel=1e-12)
+
+
+def test_cost_table_is_relative_to_preln(sweep_tree):
+    cost = pd.read_csv(sweep_tree["out"] / "tables" / "cost.csv")
+    summaries = {v: [f["summary"] for f in fs] for v, fs in sweep_tree["finals"].items()}
+    base = summaries[split_variant("preln")[0]]
+    for variant in ("ldm-rls", "attnres"):
+        own, row = summaries[split_variant(variant)[0]], _row(cost, variant)
+        for name in ("tokens_per_s", "peak_mem_bytes", "params"):
+            mean = np.mean([s[name] for s in own])
+            assert row[name] == pytest.approx(mean, rel=1e-12)
+            assert row[f"{name}_rel"] == pytest.approx(mean / np.mean([s[name] for s in base]), rel=1e-12)
+    bench = pd.read_csv(sweep_tree["out"] / "tables" / "bench.csv")
+    assert len(bench) == 6 and list(bench["variant"][:3]) == [split_variant("preln")[0]] * 3
+
+
+def test_tables_render_markdown_and_booktabs_latex(sweep_tree):
+    tables = sweep_tree["out"] / "tables"
+    for name in ("main", "downstream", "ablations", "cost", "bench", "excluded_runs"):
+        tex = (tables / f"{name}.tex").read_text()
+        assert "\\toprule" in tex and "\\midrule" in tex and "\\bottomrule" in tex
+        assert "±" not in tex and "×" not in tex
+        md = (tables / f"{name}.md").read_text()
+        assert md.splitlines()[1].startswith("|:") and md in sweep_tree["report"].read_text() + "\n"
+    assert "$\\pm$" in (tables / "main.tex").read_text()
+
+
+def test_aggregate_is_one_tidy_row_per_run_step_metric(sweep_tree):
+    tidy = aggregate(sweep_tree["root"])
+    assert {"run_id", "variant", "base", "knobs", "knob_groups", "knob_omega", "preset", "seed", "state", "step",
+            "tokens", "metric", "value", "stderr"} <= set(tidy.columns)
+    assert not tidy.duplicated(["run_dir", "source", "task", "step", "metric"]).any()
+    groups4 = tidy[tidy["variant"] == split_variant("ldm-rls(groups=4)")[0]]
+    assert set(groups4["base"]) == {"ldm-rls"} and set(groups4["knob_groups"]) == {"4"}
+    assert set(groups4["knobs"]) == {"groups=4"} and set(groups4["preset"]) == {"tiny"}
+    # val_loss is blank on odd rows of metrics.csv: 3 of 5 steps for a finished run.
+    curve = groups4[(groups4["source"] == "train") & (groups4["metric"] == "val_loss") & (groups4["seed"] == 0)]
+    assert list(curve["step"]) == [0, 20, 40] and list(curve["tokens"]) == [0, 20000, 40000]
+    finals = groups4[(groups4["source"] == "final") & (groups4["metric"] == "val_loss")]
+    assert sorted(finals["value"]) == sorted(_losses(sweep_tree, "ldm-rls(groups=4)"))
+    evals = groups4[groups4["source"] == "eval"]
+    assert len(evals) == 2 * sum(len(m) for m in TASKS.values()) and evals["stderr"].eq(0.01).all()
+    saved = pd.read_parquet(sweep_tree["out"] / "aggregate.parquet")
+    pd.testing.assert_frame_equal(saved, tidy)
+    assert len(pd.read_csv(sweep_tree["out"] / "aggregate.csv")) == len(tidy)
+
+
+def test_every_figure_is_written_with_its_panels(sweep_tree):
+    out, text = sweep_tree["out"], sweep_tree["report"].read_text()
+    for name in figs.FIGURES:
+        for ext in ("png", "pdf"):
+            assert (out / "figures" / f"{name}.{ext}").stat().st_size > 1000
+        assert f"](figures/{name}.png)" in text
+    sweep = load_sweep(sweep_tree["root"])
+    colours = figs.palette(r.variant for r in sweep.runs)
+    with_mixing = {r.variant for r in sweep.finished()}
+    fig, _ = figs.mixing_matrices(sweep)
+    assert sorted(ax.get_title() for ax in fig.axes if ax.get_title()) == sorted(with_mixing)
+    fig, _ = figs.ablation_grid(sweep)
+    assert len([ax for ax in fig.axes if ax.get_title().startswith("ω")]) == 2  # omega on (default) and off
+    fig, _ = figs.layer_profiles(sweep, colours)
+    assert len(fig.axes) == 2
+    fig, _ = figs.loss_curves(sweep, colours)
+    line_colours = {line.get_color() for line in fig.axes[0].get_lines()}
+    assert {colours[v] for v in with_mixing} <= line_colours  # each variant in its fixed colour
+
+
+def test_report_twice_gives_identical_files(sweep_tree, tmp_path):
+    # Every table and the data files; two figures stand for all (drawing all of them again only costs time).
+    again = report(sweep_tree["root"], out_dir=tmp_path, spec={"figures": ["mixing", "loss_curves"]})
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file() and p != again)
+    assert len(written) == 6 * 3 + 4 + 4
+    for rel in written:
+        assert (tmp_path / rel).read_bytes() == (sweep_tree["out"] / rel).read_bytes(), rel
+
+
+def test_figures_without_data_are_skipped_with_a_reason(tmp_path, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    for s in (0, 1):
+        run = tmp_path / "sweep" / f"preln-s{s}"
+        _write_run(run, "preln", s, "done", "", rng)
+        for name in ("mixing.json", "layers.csv"):
+            (run / name).unlink()
+        (run / "eval" / "table.csv").unlink()
+    path = report(tmp_path / "sweep")
+    text = path.read_text()
+    assert "figure `mixing`: no finished run has a mixing.json" in text
+    assert "figure `layers`: no finished run has a layers.csv" in text
+    assert "figure `overhead`: no benchmark CSV" in text
+    assert "table `ablations`: no run of ldm or ldm-rls" in text
+    assert (tmp_path / "sweep" / "figures" / "loss_curves.png").exists()
+    assert not (tmp_path / "sweep" / "figures" / "mixing.png").exists()
+
+
+def test_grid_file_report_section_selects_outputs(tmp_path, rng_seed, monkeypatch):
+    rng = np.random.default_rng(rng_seed)
+    _write_run(tmp_path / "results" / "paper" / "preln-s0", "preln", 0, "done", "", rng)
+    grid = tmp_path / "paper.yaml"
+    grid.write_text("name: paper\nreport:\n  tables: [main]\n  figures: [final_loss]\n  title: Depth memory\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["report", str(grid)]) == 0
+    text = (tmp_path / "results" / "paper" / "REPORT.md").read_text()
+    assert text.startswith("# Depth memory") and "cost" not in text.lower().split("## data")[0]
+    assert sorted(p.name for p in (tmp_path / "results" / "paper" / "figures").iterdir()) == \
+        ["final_loss.pdf", "final_loss.png"]
+    folder, spec = resolve_target("paper")
+    assert folder.resolve() == tmp_path / "results" / "paper" and spec == report_spec(None)
+
+
+def test_bad_input_is_one_sentence_naming_allowed_values(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["report", "no-such-sweep"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("depthmem: No sweep 'no-such-sweep'") and "\n" not in err
+    with pytest.raises(UsageError, match="Allowed: main, downstream, ablations, cost, bench"):
+        report_spec({"tables": ["mian"]})
+    with pytest.raises(UsageError, match="Allowed keys"):
+        report_spec({"figure": ["mixing"]})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="No run directories"):
+        report(tmp_path / "empty")
+    with pytest.raises(UsageError, match="benchmark CSV"):
+        report(tmp_path / "empty", bench=tmp_path / "missing.csv")
