@@ -1,0 +1,52 @@
+"""``depthmem lm-eval ARGS...``: lm-eval's own command line, with the ``depthmem`` model and the offline tasks.
+
+lm-eval finds a model class only if its module was imported first, so this imports the adapter (which registers
+``depthmem``) and then hands every argument, unchanged, to lm-eval's entry point, e.g.
+``depthmem lm-eval run --model depthmem --model_args checkpoint=RUN_DIR --tasks offline_arc_easy``.
+When no ``--include_path`` is given, the offline suite's folder is added so its task names resolve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# lm-eval's subcommands that take --include_path; a bare --model or --tasks means its legacy form of `run`.
+_TAKES_INCLUDE_PATH = ("run", "ls", "validate")
+
+
+def add_parser(sub):
+    p = sub.add_parser("lm-eval", help="lm-eval's own command line with the depthmem model registered",
+                       description="Run lm-eval's command line (run, ls, validate) with --model depthmem "
+                                   "available and the offline tasks on its include path.", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for lm-eval, unchanged")
+    return p
+
+
+def lm_eval_argv(rest: list[str]) -> list[str]:
+    """The arguments handed to lm-eval: the user's, plus the offline suite's folder when none is named."""
+    from harness.tasks import TASKS_DIR
+
+    argv = list(rest)
+    named = any(a == "--include_path" or a.startswith("--include_path=") for a in argv)
+    wants = bool(argv) and (argv[0] in _TAKES_INCLUDE_PATH or any(a in ("--model", "--tasks", "-t") for a in argv))
+    if wants and not named:
+        argv += ["--include_path", str(TASKS_DIR)]
+    return argv
+
+
+def run(args) -> int:
+    from harness.evaluation import prepare_environment
+
+    prepare_environment(offline=False)
+    import harness.lm_adapter  # noqa: F401  (registers the "depthmem" model with lm-eval)
+    from lm_eval.__main__ import cli_evaluate
+
+    # lm-eval's parser reads sys.argv itself, including its legacy form without a subcommand.
+    saved = sys.argv
+    sys.argv = ["lm-eval", *lm_eval_argv(args.rest)]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0

