@@ -1,0 +1,38 @@
+"""``depthmem prepare``: tokenize text, JSONL or Parquet files (or a hub dataset) into a folder of token shards."""
+
+from __future__ import annotations
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "prepare", help="tokenize documents into token shards for training (data.corpus=DIR)",
+        description="Tokenize documents into flat uint16/uint32 token shards plus index.json, each document "
+                    "followed by the end-of-text token. Train on them with --set data.corpus=DIR.")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text files (one document each), .jsonl (one per line) or .parquet (one per row) files, "
+                        "or a Hugging Face dataset name (needs the network)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write the shards and index.json into")
+    p.add_argument("--tokenizer", default="gpt2", metavar="gpt2|PATH",
+                   help="gpt2 (default) or the path of a Hugging Face tokenizer.json (copied into DIR)")
+    p.add_argument("--text-field", default="text", help="JSONL field, Parquet column or dataset field (default: text)")
+    p.add_argument("--split", default="train", help="split of a hub dataset (default: train)")
+    p.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens per shard (default: 50,000,000)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be prepared and exit")
+    return p
+
+
+def run(args) -> int:
+    import json
+
+    if args.dry_run:
+        print(json.dumps({k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"},
+                         indent=2))
+        return 0
+    from harness.data import prepare, read_index
+
+    out = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field, split=args.split,
+                  shard_tokens=args.shard_tokens)
+    index = read_index(out)
+    print(f"depthmem: {index['documents']:,} documents, {index['tokens']:,} tokens in {len(index['shards'])} "
+          f"shard(s) at {out}")
+    return 0

@@ -1,0 +1,62 @@
+"""``depthmem train``: train one variant into a run directory, resuming it when it was interrupted."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_parser(sub):
+    p = sub.add_parser(
+        "train", help="train one variant into a run directory (resumes an interrupted run)",
+        description="Train one depth-mixing variant with Lightning into the run directory --out. Running the same "
+                    "command again resumes from the last checkpoint; a finished run returns at once.")
+    p.add_argument("--variant", help="depth mixer with optional knobs, e.g. 'ldm-rls(groups=4)' "
+                                     "(default: the config file's, else preln; list them with depthmem variants)")
+    p.add_argument("--preset", help="model size preset: tiny, cpu, small, gpt2-small or medium "
+                                    "(default: the config file's, else tiny)")
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON file with config sections (model, data, train, ...)")
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one config field, e.g. --set train.lr=1e-3 (repeatable; applied last)")
+    p.add_argument("--out", required=True, metavar="DIR", help="run directory to write (created if missing)")
+    p.add_argument("--devices", type=int, help="processes on this node (CPU: DDP on gloo); sets train.devices")
+    p.add_argument("--max-steps", type=int, help="optimizer steps; 0 spends the token budget; sets train.max_steps")
+    p.add_argument("--no-resume", action="store_true", help="start over even when the run directory has a checkpoint")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config as JSON and exit")
+    return p
+
+
+def resolve(args):
+    """The RunConfig the arguments describe: config file, then --preset/--variant, then the flags, then --set."""
+    from harness.config import build_config, load_config
+
+    layers: list = []
+    if args.config:
+        import yaml
+
+        load_config(args.config)  # validates the file, with its own error messages
+        with open(args.config) as f:
+            layers.append(yaml.safe_load(f) or {})
+    if args.preset:
+        layers.append({"model": {"preset": args.preset}})
+    if args.variant:
+        layers.append({"variant": args.variant})
+    train = {k: v for k, v in (("devices", args.devices), ("max_steps", args.max_steps)) if v is not None}
+    if train:
+        layers.append({"train": train})
+    layers.append(list(args.overrides))
+    return build_config(*layers, source=args.config or "command line")
+
+
+def run(args) -> int:
+    import variants
+
+    cfg = resolve(args)
+    variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
+    if args.dry_run:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    from harness.training import train
+
+    run_dir = train(cfg, args.out, resume=not args.no_resume)
+    print(f"depthmem: run directory {run_dir}")
+    return 0

@@ -1,0 +1,526 @@
+"""Training with Lightning: one ``train(cfg, run_dir)`` call makes a complete, resumable run directory.
+
+The plain ``Decoder`` is wrapped by a small LightningModule (``LitDecoder``); a callback (``RunFiles``) writes the
+run directory of ``harness.rundir`` from rank 0 only. Batches are keyed by (seed, step) and every checkpoint holds
+optimizer, scheduler, step and RNG states, so a run killed at any moment and started again continues exactly
+where its last checkpoint left it; on CPU its loss curve equals an uninterrupted run's.
+
+Weight decay (decoupled, AdamW) applies to the matrices of attention and MLP layers and to the weights of the
+mixer's ``nn.Linear`` layers only: never to norms, the (tied) embedding, or any other mixer parameter (scalars,
+gates, mixing coefficients), whose pull towards zero would change what a variant computes.
+
+Bits per byte = total validation nats / ln 2 / total UTF-8 bytes the validation target tokens stand for (each
+byte-level token is exactly its bytes; the end-of-text separator counts none).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import random
+import resource
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness import data as datalib
+from harness import rundir
+from harness.config import RunConfig
+from harness.errors import RunFailed, UsageError
+from harness.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+
+METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
+LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
+
+
+# -- plain pieces (no Lightning) ------------------------------------------------------------------------------
+def lr_factor(step: int, *, total: int, warmup: int, schedule: str, min_ratio: float, decay_fraction: float) -> float:
+    """Multiplier of the peak learning rate for the update with 0-based index ``step``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_start = max(warmup, total - round(decay_fraction * total))  # wsd: flat, then linear to min_ratio
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start + 1) / max(1, total - decay_start))
+    return 1.0 - (1.0 - min_ratio) * progress
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay for layer matrices and the mixer's Linear weights, none for everything else."""
+    mixer_linear = {id(m.weight) for m in model.mixer.modules() if isinstance(m, nn.Linear)}
+    mixer_params = {id(p) for p in model.mixer.parameters()}
+    embed = {id(model.embed.weight), id(model.lm_head.weight)}
+    decay, no_decay = [], []
+    for p in model.parameters():  # shared (tied) parameters appear once
+        if not p.requires_grad:
+            continue
+        if id(p) in mixer_params:
+            (decay if id(p) in mixer_linear else no_decay).append(p)
+        elif p.ndim >= 2 and id(p) not in embed:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def seq_len_of(cfg: RunConfig) -> int:
+    return cfg.train.seq_len or cfg.model.max_seq_len
+
+
+def total_steps(cfg: RunConfig, n_params: int) -> int:
+    """``train.max_steps``, or the steps that spend ``tokens_per_param`` tokens per parameter."""
+    if cfg.train.max_steps:
+        return cfg.train.max_steps
+    return max(1, math.ceil(cfg.train.tokens_per_param * n_params / (cfg.train.batch_size * seq_len_of(cfg))))
+
+
+def is_diverged(loss: float, grad_norm: float, limit: float) -> bool:
+    """A non-finite loss or gradient norm, or a gradient norm above ``limit``."""
+    return not (math.isfinite(loss) and math.isfinite(grad_norm)) or grad_norm > limit
+
+
+def _rng_states() -> dict:
+    # Plain lists and tensors only, so checkpoints load with torch.load(weights_only=True).
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+            "torch": torch.get_rng_state()}
+
+
+def _set_rng_states(s: dict) -> None:
+    version, state, gauss = s["python"]
+    random.setstate((version, tuple(state), gauss))
+    kind, keys, pos, has_gauss, gauss = s["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(s["torch"])
+
+
+def peak_memory_bytes() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _csv_text(columns: list[str], rows: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: "" if row.get(k) is None else row[k] for k in columns})
+    return buf.getvalue()
+
+
+def _read_rows(path: Path, up_to_step: int) -> list[dict]:
+    """Rows of an earlier segment of this run, up to the step it is resumed from."""
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= up_to_step]
+
+
+def _safe_cost(fn) -> Any:
+    try:
+        return fn()
+    except NotImplementedError:
+        return None
+
+
+# -- Lightning ------------------------------------------------------------------------------------------------
+import lightning.pytorch as pl  # noqa: E402  (kept below the plain helpers, which need no Lightning)
+from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written through ``harness.io``: a kill mid-save leaves the previous checkpoint intact."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf)
+        atomic_write_bytes(path, buf.getvalue())
+
+
+class StepBatches(torch.utils.data.IterableDataset):
+    """This process's rows of the global batch of every step from the current one on."""
+
+    def __init__(self, tokens: datalib.Tokens, cfg: RunConfig, total: int, context):
+        self.tokens, self.cfg, self.total, self.context = tokens, cfg, total, context
+
+    def __iter__(self):
+        start, rank, world = self.context()  # read at iteration time: after a checkpoint is restored
+        rows = datalib.rank_slice(self.cfg.train.batch_size, rank, world)
+        for step in range(start, self.total):
+            batch = datalib.train_batch(self.tokens, seed=self.cfg.train.seed, step=step,
+                                        batch_size=self.cfg.train.batch_size, seq_len=seq_len_of(self.cfg))
+            w = torch.from_numpy(batch[rows])  # (b_local, t + 1)
+            yield {"step": step, "x": w[:, :-1], "y": w[:, 1:]}
+
+
+class LitDecoder(pl.LightningModule):
+    """The decoder under Lightning: loss, AdamW with a warmup schedule, validation in nats and bits per byte."""
+
+    def __init__(self, cfg: RunConfig, model: nn.Module, *, total: int, val_windows: torch.Tensor,
+                 byte_lengths: torch.Tensor, tokenizer_spec: dict):
+        super().__init__()
+        self.cfg, self.model, self.total = cfg, model, total
+        self.val_windows = val_windows  # (n_val, t + 1), all ranks hold all; each evaluates its share
+        self.byte_lengths = byte_lengths  # (vocab,)
+        self.tokenizer_spec = tokenizer_spec
+        if cfg.train.compile:
+            self.model.compile()  # in place, so state-dict keys keep their names
+        self.elapsed_before = 0.0
+        self.step_loss: float | None = None
+        self.step_grad_norm: float | None = None
+        self.step_lr: float | None = None
+        self.step_layer_grads: list[float] | None = None
+        self.diverged: dict | None = None
+
+    def forward(self, idx):
+        return self.model(idx)
+
+    def training_step(self, batch, batch_idx):
+        if int(batch["step"]) != self.global_step:
+            raise RuntimeError(f"data step {int(batch['step'])} does not match optimizer step {self.global_step}")
+        logits = self.model(batch["x"])  # (b, t, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
+        self._loss = loss.detach()
+        self.log("train_loss", loss.detach(), prog_bar=True, batch_size=batch["x"].shape[0])
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        # Gradients are synchronized across ranks here and not yet clipped.
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads])))
+        loss = float(self.trainer.strategy.reduce(self._loss.float(), reduce_op="mean"))
+        self.step_loss, self.step_grad_norm = loss, grad_norm
+        self.step_lr = optimizer.param_groups[0]["lr"]
+        step = self.global_step + 1
+        if step % self.cfg.train.val_every_steps == 0 or step == self.total:
+            from harness.diagnostics import layer_grad_norms
+
+            self.step_layer_grads = layer_grad_norms(self.model)
+        if is_diverged(loss, grad_norm, self.cfg.train.max_grad_norm_diverge):
+            self.diverged = {"step": step, "loss": loss, "grad_norm": grad_norm}
+            for p in self.model.parameters():
+                p.grad = None  # skip this update: the weights stay those of the last good step
+            self.trainer.should_stop = True
+
+    def configure_optimizers(self):
+        t = self.cfg.train
+        opt = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                foreach=False)
+        total, cfg = self.total, self.cfg
+
+        def factor(step):
+            return lr_factor(step, total=total, warmup=cfg.train.warmup_steps, schedule=cfg.train.schedule,
+                             min_ratio=cfg.train.min_lr_ratio, decay_fraction=cfg.train.decay_fraction)
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """Validation loss (nats per token) and bits per byte over the fixed validation windows, all ranks."""
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        mine = self.val_windows[rank::world]
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, tokens, bytes
+        was_training = self.model.training
+        self.model.eval()
+        per = max(1, self.cfg.train.batch_size // world)
+        with self.trainer.precision_plugin.forward_context():
+            for w in mine.split(per):
+                w = w.to(self.device)
+                logits = self.model(w[:, :-1])  # (b, t, vocab)
+                nats = F.cross_entropy(logits.flatten(0, 1).float(), w[:, 1:].flatten(), reduction="sum")
+                totals[0] += nats.double()
+                totals[1] += w[:, 1:].numel()
+                totals[2] += self.byte_lengths.to(self.device)[w[:, 1:]].sum().double()
+        self.model.train(was_training)
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        nats, tokens, n_bytes = (float(x) for x in totals)
+        return nats / tokens, nats / math.log(2) / max(n_bytes, 1.0)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["depthmem"] = {
+            "config": self.cfg.to_dict(), "tokenizer": self.tokenizer_spec, "total_steps": self.total,
+            "rng": _rng_states(), "elapsed_s": self.elapsed_before + (time.time() - self._segment_start),
+        }
+
+    def on_load_checkpoint(self, checkpoint):
+        extra = checkpoint.get("depthmem", {})
+        if "rng" in extra:
+            _set_rng_states(extra["rng"])
+        self.elapsed_before = float(extra.get("elapsed_s", 0.0))
+
+    def on_fit_start(self):
+        self._segment_start = time.time()
+
+
+class RunFiles(pl.Callback):
+    """Writes metrics.csv, layers.csv, status.json and ckpt/last.ckpt as training goes (rank 0 writes)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, ckpt_path: Path, resume_step: int, plain_logs: bool):
+        self.cfg, self.run_dir, self.ckpt_path, self.plain_logs = cfg, run_dir, ckpt_path, plain_logs
+        self.metrics = _read_rows(run_dir / "metrics.csv", resume_step)
+        self.layers = _read_rows(run_dir / "layers.csv", resume_step)
+        self.tokens_per_step = cfg.train.batch_size * seq_len_of(cfg)
+        self.last_val: tuple[float, float] | None = None
+        self.last_loss: float | None = None
+        self._mark = (time.time(), resume_step)
+        self.segment_tokens_per_s: float | None = None
+        self._segment = (time.time(), resume_step)
+
+    def _validate(self, trainer, module, step: int, row: dict) -> None:
+        if not self.cfg.train.val_batches:
+            return
+        val_loss, val_bpb = module.evaluate()
+        self.last_val = (val_loss, val_bpb)
+        row.update(val_loss=val_loss, val_bpb=val_bpb)
+        if trainer.is_global_zero:
+            from harness.diagnostics import layer_stats, traced_forward
+
+            _, trace = traced_forward(module.model, module.val_windows[:4, :-1].to(module.device))
+            grads = module.step_layer_grads if step else None
+            for l, s in enumerate(layer_stats(module.model, trace)):
+                self.layers.append({"step": step, **s, "grad_norm": None if grads is None else grads[l]})
+            atomic_write_text(self.run_dir / "layers.csv", _csv_text(LAYERS_COLUMNS, self.layers))
+
+    def _write_row(self, trainer, row: dict) -> None:
+        if not trainer.is_global_zero:
+            return
+        self.metrics.append(row)
+        for logger in trainer.loggers:  # TensorBoard or W&B, when asked for
+            logger.log_metrics({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+        atomic_write_text(self.run_dir / "metrics.csv", _csv_text(METRICS_COLUMNS, self.metrics))
+        rundir.write_status(self.run_dir, "running", step=row["step"], last_loss=self.last_loss,
+                            message=f"training, step {row['step']} of {trainer.lightning_module.total}")
+        if self.plain_logs:
+            parts = [f"step {row['step']}/{trainer.lightning_module.total}"]
+            for key, fmt in (("train_loss", ".4f"), ("val_loss", ".4f"), ("val_bpb", ".4f"), ("lr", ".2e"),
+                             ("grad_norm", ".3f"), ("tokens_per_s", ",.0f")):
+                if row.get(key) is not None:
+                    parts.append(f"{key} {row[key]:{fmt}}")
+            print("depthmem: " + "  ".join(parts), flush=True)
+
+    def on_train_start(self, trainer, module):
+        if trainer.global_step == 0 and not self.metrics:
+            row = {"step": 0, "tokens": 0}
+            self._validate(trainer, module, 0, row)
+            self._write_row(trainer, row)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        step, t = trainer.global_step, self.cfg.train
+        self.last_loss = module.step_loss if module.diverged is None else self.last_loss
+        logged = step % t.log_every_steps == 0 or step in (1, module.total) or module.diverged is not None
+        validated = step % t.val_every_steps == 0 or step == module.total
+        if logged or validated:
+            now = time.time()
+            rate = (step - self._mark[1]) * self.tokens_per_step / max(now - self._mark[0], 1e-9)
+            self._mark = (now, step)
+            row = {"step": step, "tokens": step * self.tokens_per_step, "train_loss": module.step_loss,
+                   "lr": module.step_lr, "grad_norm": module.step_grad_norm, "tokens_per_s": rate}
+            if validated and module.diverged is None:
+                self._validate(trainer, module, step, row)
+            self._write_row(trainer, row)
+        if module.diverged is None and (step % t.ckpt_every_steps == 0 or step == module.total):
+            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+        if step == module.total:
+            self.segment_tokens_per_s = ((step - self._segment[1]) * self.tokens_per_step
+                                         / max(time.time() - self._segment[0], 1e-9))
+
+    def on_exception(self, trainer, module, exception):
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        # Lightning stops on SIGTERM between two steps, so the state is consistent and worth keeping.
+        if isinstance(exception, SIGTERMException) and module.diverged is None:
+            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+
+
+def _cluster_environment():
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    # Under submitit, which owns requeueing, Lightning must neither requeue nor exit on its own signals.
+    if "SLURM_NTASKS" in os.environ:
+        return SLURMEnvironment(auto_requeue=False)
+    return LightningEnvironment()
+
+
+def _trainer(cfg: RunConfig, callbacks: list, run_dir: Path, total: int, plain_logs: bool) -> pl.Trainer:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    t = cfg.train
+    accelerator = t.accelerator
+    if accelerator == "auto":
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    precision = t.precision
+    if precision == "auto":
+        precision = "bf16-mixed" if accelerator in ("gpu", "cuda") else "32-true"
+    env, ckpt_io = _cluster_environment(), AtomicCheckpointIO()
+    world = t.devices * t.num_nodes
+    if t.strategy == "auto" and world > 1:
+        strategy = DDPStrategy(cluster_environment=env, checkpoint_io=ckpt_io,
+                               process_group_backend="gloo" if accelerator == "cpu" else "nccl")
+        plugins = []
+    else:
+        strategy, plugins = t.strategy, [env, ckpt_io]
+    loggers: list = []
+    if t.logger == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
+    elif t.logger == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(WandbLogger(save_dir=str(run_dir), project=cfg.name or "depthmem", name=run_dir.name,
+                                   id=run_dir.name, resume="allow"))
+    try:
+        return pl.Trainer(
+            accelerator=accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy, plugins=plugins,
+            precision=precision, max_steps=total, max_epochs=-1, gradient_clip_val=t.grad_clip or None,
+            deterministic=True if accelerator == "cpu" else "warn", logger=loggers or False,
+            callbacks=callbacks, enable_checkpointing=False, enable_model_summary=False,
+            enable_progress_bar=not plain_logs, log_every_n_steps=t.log_every_steps, limit_val_batches=0,
+            num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(run_dir))
+    except ModuleNotFoundError as e:
+        raise UsageError(f"train.logger={t.logger} needs a package that is not installed: pip install {e.name}.") \
+            from None
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"Cannot create the run directory {str(run_dir)!r}: {e.strerror}.") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"The run directory {str(run_dir)!r} is not writable.")
+
+
+def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) -> Path:
+    """Train ``cfg`` into ``run_dir`` (resuming its last checkpoint unless ``resume=False``); returns run_dir."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning.pytorch import seed_everything
+
+    import variants
+    from harness import tokenizer as toklib
+    from harness.factory import build_model
+
+    run_dir = Path(run_dir)
+    rank0 = rank_zero_only.rank == 0
+    _check_run_dir(run_dir)
+    ckpt_path = run_dir / "ckpt" / "last.ckpt"
+    earlier = rundir.read_config(run_dir) if (run_dir / "config.json").exists() else None
+    if earlier is not None and rundir.config_hash(earlier, with_seed=True) != rundir.config_hash(cfg, with_seed=True):
+        raise UsageError(f"{run_dir} holds a run with a different config; give this run another --out directory.")
+    status = rundir.read_status(run_dir)
+    if resume and status.get("state") == "done" and (run_dir / "summary.json").exists():
+        if rank0:
+            print(f"depthmem: {run_dir} is already done (step {status.get('step')}); nothing to train.", flush=True)
+        return run_dir
+    world = cfg.train.devices * cfg.train.num_nodes
+    if cfg.train.batch_size % world:
+        raise UsageError(f"train.batch_size ({cfg.train.batch_size}) must be divisible by the number of "
+                         f"processes ({world}).")
+    seq_len = seq_len_of(cfg)
+    if seq_len > cfg.model.max_seq_len:
+        raise UsageError(f"train.seq_len ({seq_len}) must not exceed model.max_seq_len ({cfg.model.max_seq_len}).")
+    variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
+
+    tok = toklib.get_tokenizer(cfg)
+    tokens = datalib.load_tokens(cfg, tok)
+    datalib.check_sizes(tokens, seq_len, need_val=cfg.train.val_batches > 0)
+    val = datalib.val_windows(tokens.val, count=max(1, cfg.train.val_batches * cfg.train.batch_size),
+                              seq_len=seq_len)
+    byte_lengths = torch.tensor(tok.token_byte_lengths() + [0] * (cfg.model.vocab_size - tok.vocab_size))
+
+    seed_everything(cfg.train.seed, workers=True, verbose=False)
+    for noise in (".*does not have many workers.*", ".*The `srun` command is available.*", ".*LeafSpec.*"):
+        warnings.filterwarnings("ignore", noise)  # advice that does not apply to these runs
+    model = build_model(cfg.model, cfg.variant)
+    total = total_steps(cfg, model.num_params())
+    resume_from = ckpt_path if resume and ckpt_path.exists() else None
+    resume_step = 0
+    if resume_from is not None:
+        resume_step = int(torch.load(resume_from, map_location="cpu", weights_only=True).get("global_step", 0))
+    if rank0:
+        rundir.write_config(run_dir, cfg)
+        rundir.write_env(run_dir)
+        toklib.save_to_run(tok, run_dir)
+        if resume_from is None:
+            for name in ("metrics.csv", "layers.csv", "summary.json", "mixing.json"):
+                (run_dir / name).unlink(missing_ok=True)
+        what = f"resuming at step {resume_step}" if resume_from else "starting"
+        rundir.write_status(run_dir, "running", step=resume_step, last_loss=status.get("last_loss"),
+                            message=f"{what}, {total} steps")
+    plain_logs = not sys.stderr.isatty()
+    if rank0 and plain_logs:
+        print(f"depthmem: {cfg.variant} {cfg.model.preset}, {model.num_params():,} parameters, {total} steps "
+              f"of {cfg.train.batch_size}x{seq_len} tokens ({what}); writing {run_dir}", flush=True)
+
+    module = LitDecoder(cfg, model, total=total, val_windows=torch.from_numpy(val), byte_lengths=byte_lengths,
+                        tokenizer_spec=tok.spec())
+    files = RunFiles(cfg, run_dir, ckpt_path, resume_step, plain_logs)
+    trainer = _trainer(cfg, [files], run_dir, total, plain_logs)
+    dataset = StepBatches(tokens.train, cfg, total,
+                          lambda: (trainer.global_step, trainer.global_rank, trainer.world_size))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
+    start = time.time()
+    try:
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=str(resume_from) if resume_from else None,
+                    weights_only=True)
+    except BaseException as e:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if rank0:
+            stopped = "stopped by SIGTERM" if isinstance(e, SIGTERMException) else f"failed: {type(e).__name__}: {e}"
+            rundir.write_status(run_dir, "failed", step=trainer.global_step, last_loss=files.last_loss,
+                                message=f"{stopped}; run the same command again to resume from the last checkpoint")
+        if isinstance(e, SIGTERMException):
+            raise RunFailed(f"Training was stopped by SIGTERM at step {trainer.global_step}; run the same command "
+                            "again to resume from the last checkpoint.") from None
+        raise
+    if module.diverged is not None:
+        d = module.diverged
+        kept = f"the last good checkpoint is {ckpt_path}" if ckpt_path.exists() else "no checkpoint was saved yet"
+        message = (f"diverged at step {d['step']} (loss {d['loss']:.4g}, gradient norm {d['grad_norm']:.4g}); "
+                   f"{kept}")
+        if rank0:
+            rundir.write_status(run_dir, "diverged", step=d["step"], last_loss=files.last_loss, message=message)
+        raise RunFailed(f"The run {message}.")
+    if not rank0:
+        return run_dir
+
+    from harness import diagnostics
+
+    wall = module.elapsed_before + (time.time() - start)
+    measured = [r for r in files.metrics if r.get("val_loss") not in (None, "")]
+    val_loss = float(measured[-1]["val_loss"]) if measured else None
+    val_bpb = float(measured[-1]["val_bpb"]) if measured else None
+    mixer = model.mixer
+    summary = {
+        "val_loss": val_loss, "val_bpb": val_bpb, "val_ppl": math.exp(val_loss) if val_loss is not None else None,
+        "step": trainer.global_step, "tokens": trainer.global_step * files.tokens_per_step,
+        "params": model.num_params(), "extra_params": _safe_cost(mixer.extra_params),
+        "stream_floats_per_token": _safe_cost(mixer.stream_floats_per_token),
+        "extra_flops_per_token": _safe_cost(mixer.extra_flops_per_token),
+        "tokens_per_s": files.segment_tokens_per_s, "peak_mem_bytes": peak_memory_bytes(), "wall_s": wall,
+    }
+    model.float().eval()
+    try:
+        mixing = diagnostics.mixing_summary(model, module.val_windows[:4, :-1])
+        atomic_write_json(run_dir / "mixing.json", mixing)
+    except NotImplementedError:
+        pass  # a variant without a mixing matrix still trains; it simply has no mixing.json
+    atomic_write_json(run_dir / "summary.json", summary)
+    rundir.write_status(run_dir, "done", step=trainer.global_step, last_loss=files.last_loss,
+                        message=f"done: val_loss {val_loss if val_loss is None else round(val_loss, 4)}")
+    return run_dir

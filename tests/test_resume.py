@@ -1,0 +1,59 @@
+"""Exact resume: a ``depthmem train`` killed with SIGKILL after a checkpoint and run again ends with the same loss
+curve, step for step, as a run that was never interrupted."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import rundir
+from harness.config import build_config
+from harness.training import train
+
+ARGS = ["--preset", "tiny", "--max-steps", "16", "--set", "train.ckpt_every_steps=4", "--set",
+        "train.log_every_steps=1", "--set", "train.val_every_steps=8", "--set", "train.val_batches=1",
+        "--set", "train.seq_len=32", "--set", "train.warmup_steps=2"]
+
+
+def _curve(run: Path) -> list[tuple[str, str, str]]:
+    with open(run / "metrics.csv", newline="") as f:
+        return [(r["step"], r["train_loss"], r["val_loss"]) for r in csv.DictReader(f)]
+
+
+@pytest.mark.xdist_group("ddp")
+def test_sigkill_then_rerun_matches_an_uninterrupted_run(tmp_path, tmp_path_factory):
+    env = {**os.environ, "DEPTHMEM_CACHE": str(tmp_path_factory.getbasetemp().parent / "depthmem-cache")}
+    os.environ["DEPTHMEM_CACHE"] = env["DEPTHMEM_CACHE"]
+    command = [str(Path(sys.executable).parent / "depthmem"), "train", *ARGS, "--out", str(tmp_path / "killed")]
+    ckpt = tmp_path / "killed" / "ckpt" / "last.ckpt"
+    proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert ckpt.exists(), "the run ended before writing its first checkpoint"
+    killed_at = torch.load(ckpt, weights_only=True)["global_step"]
+    assert killed_at < 16 and rundir.read_status(tmp_path / "killed")["state"] == "running"
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"resuming at step {killed_at}" in rerun.stdout
+
+    cfg = build_config({"model": {"preset": "tiny"}, "train": {
+        "max_steps": 16, "ckpt_every_steps": 4, "log_every_steps": 1, "val_every_steps": 8, "val_batches": 1,
+        "seq_len": 32, "warmup_steps": 2}})
+    reference = train(cfg, tmp_path / "uninterrupted")
+    assert _curve(tmp_path / "killed") == _curve(reference)
+    assert [s for s, _, _ in _curve(reference)] == [str(i) for i in range(17)]

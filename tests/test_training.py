@@ -1,0 +1,202 @@
+"""Training: the run-directory contract, falling loss, determinism, divergence, checkpoint loading and the CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import variants
+from harness import data as D
+from harness import rundir
+from harness.checkpoint import load_model
+from harness.cli import main as cli_main
+from harness.config import build_config
+from harness.errors import RunFailed, UsageError
+from harness.training import METRICS_COLUMNS, lr_factor, param_groups, train
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(tmp_path_factory, monkeypatch):
+    """One tokenizer and token cache for every test worker (the cache is safe under concurrent use)."""
+    path = tmp_path_factory.getbasetemp().parent / "depthmem-cache"
+    monkeypatch.setenv("DEPTHMEM_CACHE", str(path))
+    return path
+
+
+def tiny(steps: int, variant: str = "preln", **train) -> dict:
+    t = dict(max_steps=steps, log_every_steps=1, val_every_steps=12, val_batches=2, ckpt_every_steps=12,
+             batch_size=8, seq_len=32, warmup_steps=4)
+    t.update(train)
+    return build_config({"variant": variant, "model": {"preset": "tiny"}, "train": t})
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def preln_run(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEPTHMEM_CACHE", str(tmp_path_factory.getbasetemp().parent / "depthmem-cache"))
+        return train(tiny(24), tmp_path_factory.mktemp("preln") / "run")
+
+
+def test_lr_schedule_matches_closed_form():
+    kw = dict(total=100, warmup=10, min_ratio=0.1, decay_fraction=0.2)
+    assert lr_factor(0, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert lr_factor(9, schedule="cosine", **kw) == pytest.approx(1.0)
+    assert lr_factor(55, schedule="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(99, schedule="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 89 / 90)))
+    assert lr_factor(79, schedule="wsd", **kw) == 1.0
+    assert lr_factor(89, schedule="wsd", **kw) == pytest.approx(1 - 0.9 * 10 / 20)
+    assert lr_factor(99, schedule="wsd", **kw) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("variant", ["preln", "ldm-rls"])
+def test_weight_decay_only_on_matrices_and_mixer_linear_weights(variant):
+    if variant not in variants.names():
+        pytest.skip(f"{variant} is not registered")
+    from harness.factory import build_model
+
+    model = build_model(tiny(1).model, variant)
+    decay, no_decay = param_groups(model, 0.1)
+    ids = [id(p) for g in (decay, no_decay) for p in g["params"]]
+    assert sorted(ids) == sorted({id(p) for p in model.parameters()})  # each parameter exactly once
+    decayed = {id(p) for p in decay["params"]}
+    assert id(model.embed.weight) not in decayed
+    for name, p in model.named_parameters():
+        if "norm" in name or p.ndim < 2:
+            assert id(p) not in decayed, name
+    linear = {id(m.weight) for m in model.mixer.modules() if isinstance(m, torch.nn.Linear)}
+    assert all((id(p) in decayed) == (id(p) in linear) for p in model.mixer.parameters())
+
+
+@pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
+def test_run_directory_contract_and_falling_loss(preln_run):
+    run = preln_run
+    for name in ("config.json", "env.json", "status.json", "metrics.csv", "layers.csv", "summary.json",
+                 "mixing.json", "tokenizer.json", "ckpt/last.ckpt"):
+        assert (run / name).is_file(), name
+    assert rundir.read_status(run)["state"] == "done" and rundir.read_status(run)["step"] == 24
+    with open(run / "metrics.csv") as f:
+        assert f.readline().strip().split(",") == METRICS_COLUMNS
+    metrics = rows(run / "metrics.csv")
+    assert [int(r["step"]) for r in metrics] == list(range(25))
+    val = {int(r["step"]): float(r["val_loss"]) for r in metrics if r["val_loss"]}
+    assert sorted(val) == [0, 12, 24]
+    assert val[0] == pytest.approx(math.log(512), abs=0.2)  # an untrained model is close to uniform
+    assert val[24] < val[0] - 0.4
+    layers = rows(run / "layers.csv")
+    assert {int(r["step"]) for r in layers} == {0, 12, 24} and len(layers) == 3 * 4
+    summary = json.loads((run / "summary.json").read_text())
+    for key in ("val_loss", "val_bpb", "val_ppl", "step", "tokens", "params", "extra_params",
+                "stream_floats_per_token", "extra_flops_per_token", "tokens_per_s", "peak_mem_bytes", "wall_s"):
+        assert key in summary, key
+    assert summary["val_loss"] == val[24] and summary["tokens"] == 24 * 8 * 32
+    assert summary["val_ppl"] == pytest.approx(math.exp(val[24]))
+    mixing = json.loads((run / "mixing.json").read_text())
+    assert len(mixing["matrix"]) == 5
+
+
+@pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
+def test_validation_numbers_match_an_independent_recomputation(preln_run):
+    """val_loss and val_bpb from a float64 pass of the loaded model over the same windows, bytes from decoding."""
+    model, tok, cfg = load_model(preln_run)
+    assert not model.training and next(model.parameters()).dtype == torch.float32
+    tokens = D.load_tokens(cfg, tok)
+    windows = torch.from_numpy(D.val_windows(tokens.val, count=2 * 8, seq_len=32))  # (16, 33)
+    model = model.double()
+    with torch.no_grad():
+        logits = model(windows[:, :-1])
+    nats = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="sum").item()
+    n_bytes = sum(len(tok.decode(w[1:].tolist()).encode("utf-8")) for w in windows)
+    summary = json.loads((preln_run / "summary.json").read_text())
+    assert summary["val_loss"] == pytest.approx(nats / windows[:, 1:].numel(), rel=1e-5)
+    assert summary["val_bpb"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
+
+
+@pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
+def test_finished_run_returns_without_training(preln_run):
+    before = (preln_run / "ckpt" / "last.ckpt").stat().st_mtime_ns, (preln_run / "metrics.csv").read_text()
+    train(tiny(24), preln_run)
+    assert ((preln_run / "ckpt" / "last.ckpt").stat().st_mtime_ns, (preln_run / "metrics.csv").read_text()) == before
+    with pytest.raises(UsageError, match="different config"):
+        train(tiny(25), preln_run)
+
+
+@pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
+def test_load_model_rejects_corrupt_or_mismatched_checkpoints(preln_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(preln_run, run)
+    model, _, _ = load_model(run / "ckpt" / "last.ckpt")
+    assert model.num_params() == json.loads((run / "summary.json").read_text())["params"]
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["model"]["n_blocks"] = 3
+    (run / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UsageError, match="does not match its config"):
+        load_model(run)
+    data = (preln_run / "ckpt" / "last.ckpt").read_bytes()
+    (run / "ckpt" / "last.ckpt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(UsageError, match="truncated or corrupt"):
+        load_model(run)
+
+
+def test_other_variant_trains_and_writes_the_contract(tmp_path):
+    name = "ldm-rls" if "ldm-rls" in variants.names() else "preln"
+    run = train(tiny(3, name, val_every_steps=3, ckpt_every_steps=3), tmp_path / "run")
+    assert rundir.read_status(run)["state"] == "done"
+    assert all(math.isfinite(float(r["train_loss"])) for r in rows(run / "metrics.csv")[1:])
+    assert json.loads((run / "summary.json").read_text())["step"] == 3
+
+
+def test_same_config_and_seed_give_the_same_curve(tmp_path):
+    curves = []
+    for i, seed in enumerate((7, 7, 8)):
+        cfg = tiny(3, seed=seed, val_batches=0)
+        curves.append([r["train_loss"] for r in rows(train(cfg, tmp_path / f"r{i}") / "metrics.csv")])
+    assert curves[0] == curves[1] and curves[0] != curves[2]
+
+
+def test_divergence_stops_the_run_with_status(tmp_path):
+    with pytest.raises(RunFailed, match="diverged at step 1"):
+        train(tiny(5, max_grad_norm_diverge=1e-4), tmp_path / "run")
+    status = rundir.read_status(tmp_path / "run")
+    assert status["state"] == "diverged" and status["step"] == 1
+    assert not (tmp_path / "run" / "ckpt" / "last.ckpt").exists()
+
+
+def test_training_on_prepared_shards(tmp_path):
+    texts = [text[:20_000] for _, text in D.shakespeare_documents()[:6]]
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_text(text)
+    from harness import tokenizer as toklib
+
+    (tmp_path / "tok.json").write_text(toklib.train_bpe(texts, 512).to_json())
+    D.prepare([str(tmp_path / f"{i}.txt") for i in range(6)], tmp_path / "shards",
+              tokenizer=str(tmp_path / "tok.json"), progress=False)
+    cfg = build_config(tiny(2).to_dict(), {"data": {"corpus": str(tmp_path / "shards"), "val_fraction": 0.2}})
+    run = train(cfg, tmp_path / "run")
+    assert rundir.read_status(run)["state"] == "done"
+    _, tok, _ = load_model(run)
+    assert tok.to_json() == (tmp_path / "shards" / "tokenizer.json").read_text()
+
+
+def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
+    assert cli_main(["train", "--variant", "preln", "--preset", "tiny", "--out", str(tmp_path / "r"),
+                     "--max-steps", "7", "--set", "train.lr=1e-3", "--dry-run"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["variant"] == "preln" and printed["train"]["max_steps"] == 7 and printed["train"]["lr"] == 1e-3
+    assert not (tmp_path / "r").exists()
+    (tmp_path / "file").write_text("")
+    assert cli_main(["train", "--preset", "tiny", "--out", str(tmp_path / "file" / "r"), "--max-steps", "1"]) == 2
+    assert "run directory" in capsys.readouterr().err
+    assert cli_main(["train", "--variant", "no-such-mixer", "--out", str(tmp_path / "r")]) == 2
+    assert cli_main(["train", "--preset", "tiny", "--out", str(tmp_path / "r"), "--set", "data.corpus=nowhere"]) == 2
+    assert "neither an embedded corpus" in capsys.readouterr().err
