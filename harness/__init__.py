@@ -1,10 +1,18 @@
 """depthmem: a benchmarking and ablation harness for depth mixing in transformers.
 
 The Python API comes first and the ``depthmem`` command is a thin layer over it; a notebook can call the same
-functions. Heavy modules load on first use, so ``import harness`` stays fast.
+functions. Heavy modules (Lightning, lm-eval, seaborn, submitit) load on first use, so ``import harness`` stays fast::
+
+    import harness
+    cfg = harness.build_config({"variant": "ldm-rls", "model": {"preset": "tiny"}}, ["train.max_steps=100"])
+    run_dir = harness.train(cfg, "results/demo/ldm-rls")
+    harness.evaluate(run_dir, ["offline_arc_easy"], limit=100)
+    frame = harness.aggregate("results/demo")
 """
 
 from __future__ import annotations
+
+import importlib
 
 from harness.config import ModelConfig, RunConfig, build_config, load_config, model_preset
 from harness.errors import DepthmemError, RunFailed, UsageError
@@ -12,7 +20,31 @@ from harness.factory import build_model
 
 __version__ = "0.1.0"
 
+# name -> module that defines it; resolved on first attribute access (PEP 562).
+_LAZY = {
+    "train": "harness.training",
+    "load_model": "harness.checkpoint",
+    "get_tokenizer": "harness.tokenizer",
+    "prepare": "harness.data",
+    "evaluate": "harness.evaluation",
+    "sweep": "harness.sweep",
+    "expand_grid": "harness.grid",
+    "aggregate": "harness.aggregate",
+    "report": "harness.report",
+    "bench": "harness.bench",
+    "cost_table": "harness.costs",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'harness' has no attribute {name!r}")
+
+
 __all__ = [
     "ModelConfig", "RunConfig", "build_config", "load_config", "model_preset", "build_model",
-    "DepthmemError", "UsageError", "RunFailed",
+    "DepthmemError", "UsageError", "RunFailed", *_LAZY,
 ]
