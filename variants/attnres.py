@@ -1,1 +1,102 @@
-"""Placeholder: this variant is being written."""
+"""AttnRes, full: each layer's input is a softmax attention over depth (Kimi Team, "Attention Residuals", 2026,
+arXiv:2603.15031).
+
+The stream is the list of every earlier output ``[v_{-1} = e, v_0, ..., v_{l-1}]`` (the paper's ``v_0 = e``).
+Layer ``l`` reads ``a_l = Σ_i softmax_i(w_l^T RMSNorm(v_i)) v_i`` with a learned, input-independent
+pseudo-query ``w_l ∈ R^d``, zero-initialized so that every layer starts from the uniform average of what came
+before; keys are normalized, values are not, and there is no residual ``x + ...``: the read is the input. The
+head aggregates all ``L + 1`` sources with its own pseudo-query. Unpublished detail: the key RMSNorm has no
+gain, since a per-channel gain would only rescale ``w_l``. Axes: b batch, t time, d width, s source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from variants.base import DepthMixer, register
+
+
+def mix_dtype(x: torch.Tensor) -> torch.dtype:
+    """At least float32 for mixing weights, never below the input precision (float64 stays float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm without a gain, over the last axis, in at least float32."""
+    x = x.to(mix_dtype(x))
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def depth_attention(query: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    """``Σ_s softmax_s(query · keys_s) values_s`` and the weights (b, t, s), all in at least float32.
+
+    ``query`` may be None only for a single source, whose weight is 1 whatever the query.
+    """
+    k = torch.stack(keys, dim=-2)  # (b, t, s, d), already normalized and in mixing precision
+    dt = k.dtype
+    if query is None:
+        weights = k.new_ones(k.shape[:-1])
+    else:
+        # Elementwise product and sum rather than a matmul, so bf16 autocast cannot lower the precision.
+        logits = (k * query.to(dt)).sum(-1)  # (b, t, s)
+        weights = torch.softmax(logits, dim=-1)
+    v = torch.stack([x.to(dt) for x in values], dim=-2)  # (b, t, s, d)
+    return (weights.unsqueeze(-1) * v).sum(-2), weights
+
+
+@register("attnres")
+class AttnRes(DepthMixer):
+    """Full Attention Residuals: softmax over all earlier outputs with a learned pseudo-query per layer."""
+
+    @dataclass(kw_only=True, frozen=True)
+    class Config:
+        pass
+
+    def __init__(self, cfg, *, d_model: int, n_layers: int):
+        super().__init__(cfg, d_model=d_model, n_layers=n_layers)
+        # Row l - 1 is layer l's pseudo-query, the last row the head's; zeros give uniform weights at step 0.
+        # Layer 0 sees only the embedding, where a softmax over one source is 1 whatever its query: it has none.
+        self.queries = nn.Parameter(torch.zeros(n_layers, d_model))
+
+    def init_state(self, e):
+        # Values and their normalized keys; each key is computed once, when its output is written.
+        return [e], [rms_normalize(e)]
+
+    def _read(self, state, reader: int):
+        values, keys = state
+        a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, values)
+        self.record("weights", reader, weights)
+        return a
+
+    def read(self, state, layer):
+        return self._read(state, layer)
+
+    def write(self, state, layer, out):
+        values, keys = state
+        return values + [out], keys + [rms_normalize(out)]
+
+    def read_head(self, state):
+        return self._read(state, self.n_layers)
+
+    def mixing_matrix(self, trace):
+        b, t, _ = trace.embed.shape
+        L = self.n_layers
+        c = torch.zeros(b, t, L + 1, L + 1, 1, dtype=mix_dtype(trace.embed), device=trace.embed.device)
+        for reader in range(L + 1):
+            w = trace.mixer[("weights", reader)]  # (b, t, reader + 1): the embedding, then v_0 .. v_{reader-1}
+            c[:, :, reader, : reader + 1, 0] = w.to(c.dtype)
+        return c
+
+    def stream_floats_per_token(self):
+        # The head reads the embedding and all L outputs (the cached keys can be recomputed, so they don't count).
+        return (self.n_layers + 1) * self.d_model
+
+    def extra_flops_per_token(self):
+        d, L = self.d_model, self.n_layers
+        sources = sum(r + 1 for r in range(L + 1))  # readers 0..L see r + 1 sources each
+        keys = 3 * d * (L + 1)  # one RMS normalization per source
+        attend = 4 * d * sources + 3 * sources  # logits and weighted sum (2 flops per multiply-add), softmax
+        return keys + attend - L * d  # PreLN's own additions are not extra

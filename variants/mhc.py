@@ -1,1 +1,136 @@
-"""Placeholder: this variant is being written."""
+"""mHC: Manifold-Constrained Hyper-Connections, ``n`` residual streams mixed by doubly stochastic matrices
+(Xie et al., 2025, arXiv:2512.24880).
+
+The stream is ``X ∈ R^{n×d}`` per token, every row ``e`` at the start; the head reads the sum of the rows.
+Layer ``l`` reads ``a_l = H^pre X`` and writes ``X ← H^res X + (H^post)^T v_l``. The coefficients come from
+``x' = RMSNorm(vec(X))`` (all ``n·d`` channels at once): ``H̃^pre = α^pre x'φ^pre + b^pre``,
+``H̃^post = α^post x'φ^post + b^post``, ``H̃^res = α^res mat(x'φ^res) + b^res``, then ``H^pre = sigmoid(H̃^pre)``,
+``H^post = 2·sigmoid(H̃^post)`` and ``H^res = SinkhornKnopp(exp(H̃^res))`` (column then row normalization), all in
+at least float32, with the gates ``α`` starting at 0.01. Unpublished choices: biases start at ``b^pre = 0``,
+``b^post = 0`` and ``b^res`` = 0 on the diagonal, -8 elsewhere, so ``H^pre = 1/2``, ``H^post = 1`` and
+``H^res ≈ I`` (within 1e-3): every stream starts as PreLN's ``x``, and the layer's own pre-norm removes the
+scale of ``a``; ``φ ~ N(0, 1/(n·d))``, so ``x'φ`` has unit scale; the RMSNorm has no gain (it would only rescale
+``φ``). Axes: b batch, t time, j and k streams, d width, s source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from harness.registry import knob
+from variants.base import DepthMixer, register
+
+OFF_DIAGONAL_LOGIT = -8.0  # exp(-8) ≈ 3e-4: H^res starts within 1e-3 of the identity for n up to 4
+
+
+def mix_dtype(x: torch.Tensor) -> torch.dtype:
+    """At least float32 for mixing weights, never below the input precision (float64 stays float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """A doubly stochastic matrix from ``exp(logits)`` (..., n, n): ``iters`` column then row normalizations."""
+    # Sinkhorn is invariant to a common factor, so subtracting the max only guards exp against overflow.
+    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        m = m / m.sum(-2, keepdim=True)  # columns sum to 1
+        m = m / m.sum(-1, keepdim=True)  # rows sum to 1
+    return m
+
+
+@register("mhc")
+class ManifoldHyperConnections(DepthMixer):
+    """mHC: n residual streams mixed by a Sinkhorn-projected, input-dependent doubly stochastic matrix."""
+
+    @dataclass(kw_only=True, frozen=True)
+    class Config:
+        expansion: int = knob(4, "number of parallel residual streams n", allowed="an integer of at least 1")
+        sinkhorn_iters: int = knob(20, "Sinkhorn-Knopp iterations projecting H^res onto doubly stochastic matrices",
+                                   allowed="an integer of at least 1")
+
+        def __post_init__(self):
+            if self.expansion < 1:
+                raise ValueError(f"expansion must be an integer of at least 1, got {self.expansion}")
+            if self.sinkhorn_iters < 1:
+                raise ValueError(f"sinkhorn_iters must be an integer of at least 1, got {self.sinkhorn_iters}")
+
+    def __init__(self, cfg, *, d_model: int, n_layers: int):
+        super().__init__(cfg, d_model=d_model, n_layers=n_layers)
+        n = self.n = cfg.expansion
+        self.iters = cfg.sinkhorn_iters
+        width = n * n + 2 * n  # outputs: n for H^pre, n for H^post, n·n for H^res
+        # One projection per layer for all three coefficient sets: phi^pre | phi^post | phi^res.
+        self.phi = nn.Parameter(torch.randn(n_layers, n * d_model, width) / (n * d_model) ** 0.5)
+        self.alpha = nn.Parameter(torch.full((n_layers, 3), 0.01))  # gates of pre, post, res
+        b_res = torch.full((n, n), OFF_DIAGONAL_LOGIT).fill_diagonal_(0.0)
+        self.bias = nn.Parameter(torch.cat([torch.zeros(2 * n), b_res.flatten()]).repeat(n_layers, 1))
+
+    def coefficients(self, X: torch.Tensor, layer: int):
+        """``H^pre`` (b, t, k), ``H^post`` (b, t, j) and ``H^res`` (b, t, j, k) of ``layer`` for streams ``X``."""
+        b, t, n, d = X.shape
+        dt = mix_dtype(X)
+        with torch.autocast(X.device.type, enabled=False):
+            x = X.to(dt).reshape(b, t, n * d)  # vec(X): (b, t, n·d)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            z = x @ self.phi[layer].to(dt)  # (b, t, n·n + 2n)
+        alpha, bias = self.alpha[layer].to(dt), self.bias[layer].to(dt)
+        pre = torch.sigmoid(alpha[0] * z[..., :n] + bias[:n])
+        post = 2.0 * torch.sigmoid(alpha[1] * z[..., n : 2 * n] + bias[n : 2 * n])
+        res_logits = (alpha[2] * z[..., 2 * n :] + bias[2 * n :]).view(b, t, n, n)  # (b, t, j, k)
+        return pre, post, sinkhorn_knopp(res_logits, self.iters)
+
+    def init_state(self, e):
+        # A dict so that read can leave the coefficients it computed for write, which sees the same X.
+        return {"X": e.unsqueeze(-2).expand(*e.shape[:-1], self.n, e.shape[-1]).to(mix_dtype(e))}
+
+    def read(self, state, layer):
+        X = state["X"]
+        pre, post, res = self.coefficients(X, layer)
+        state["coefficients"] = (layer, pre, post, res)
+        for key, value in (("H_pre", pre), ("H_post", post), ("H_res", res)):
+            self.record(key, layer, value)
+        with torch.autocast(X.device.type, enabled=False):
+            return torch.einsum("btk,btkd->btd", pre, X)
+
+    def write(self, state, layer, out):
+        X = state["X"]
+        cached = state.get("coefficients")
+        if cached is None or cached[0] != layer:
+            cached = (layer, *self.coefficients(X, layer))
+        _, pre, post, res = cached
+        with torch.autocast(X.device.type, enabled=False):
+            X = torch.einsum("btjk,btkd->btjd", res, X) + post.unsqueeze(-1) * out.to(X.dtype).unsqueeze(-2)
+        return {"X": X}
+
+    def read_head(self, state):
+        return state["X"].sum(-2)
+
+    def mixing_matrix(self, trace):
+        b, t, _ = trace.embed.shape
+        L, n = self.n_layers, self.n
+        dt = mix_dtype(trace.embed)
+        c = torch.zeros(b, t, L + 1, L + 1, 1, dtype=dt, device=trace.embed.device)
+        # coef[b, t, k, s]: how much of source s stream k holds; every stream starts as the embedding.
+        coef = torch.zeros(b, t, n, L + 1, dtype=dt, device=trace.embed.device)
+        coef[..., 0] = 1.0
+        for l in range(L):
+            pre, post, res = (trace.mixer[(key, l)].to(dt) for key in ("H_pre", "H_post", "H_res"))
+            c[:, :, l, :, 0] = torch.einsum("btk,btks->bts", pre, coef)
+            coef = torch.einsum("btjk,btks->btjs", res, coef)
+            coef[..., l + 1] += post
+        c[:, :, L, :, 0] = coef.sum(2)
+        return c
+
+    def stream_floats_per_token(self):
+        return self.n * self.d_model
+
+    def extra_flops_per_token(self):
+        n, d, L = self.n, self.d_model, self.n_layers
+        width = n * n + 2 * n
+        coefficients = 3 * n * d + 2 * n * d * width + 3 * width  # norm, projection, gate, bias and activation
+        sinkhorn = n * n + 4 * n * n * self.iters  # exp, then a sum and a division per entry per normalization
+        streams = 2 * n * d + 2 * n * n * d + 2 * n * d  # read, stream mixing, writing v into n streams
+        return L * (coefficients + sinkhorn + streams - d) + (n - 1) * d  # minus PreLN's additions; head sum

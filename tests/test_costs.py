@@ -1,0 +1,81 @@
+"""The cost model against independent counts: parameters by hand and from a built model, FLOPs from torch's
+own FLOP counter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import variants
+from harness import UsageError, build_model, model_preset
+from harness.cli import main
+from harness.costs import COLUMNS, cost_table, preln_flops_per_token, preln_params
+
+
+@pytest.fixture(scope="module")
+def small():
+    return cost_table("small").set_index("variant")
+
+
+def test_table_has_every_variant_and_preln_adds_nothing(small):
+    assert list(small.index) == [variants.canonical(n) for n in variants.names()]
+    assert list(small.reset_index().columns) == COLUMNS
+    assert small.loc["preln", "params_added"] == 0
+    assert small.loc["preln", "extra_flops_per_token"] == 0
+    assert small.loc["preln", "stream_floats_per_token"] == 256
+
+
+def test_hand_counts_at_the_small_preset(small):
+    d, L, n = 256, 12, 4
+    hc = L * (n + n * n + n) + L * (d * (n + 2) + 2)  # static A_m, A_r, B; dynamic W (d × (n + 2)), 2 scales
+    mhc = L * (n * d * (n * n + 2 * n) + (n * n + 2 * n) + 3)  # phi, biases, three gates per layer
+    N = L // 2  # DenseFormer: one DWA after each block, over 2, 3, ..., N + 1 stream states
+    assert small.loc["hc", "params_added"] == hc
+    assert small.loc["mhc", "params_added"] == mhc
+    assert small.loc["denseformer", "params_added"] == N * (N + 3) // 2
+    assert small.loc["attnres", "params_added"] == L * d  # pseudo-queries of layers 1 .. L-1 and the head
+    assert small.loc["hc", "stream_floats_per_token"] == n * d
+    assert small.loc["attnres", "stream_floats_per_token"] == (L + 1) * d
+    assert small.loc["denseformer", "extra_flops_per_token"] == sum(2 * d * (i + 1) for i in range(1, N + 1))
+
+
+@pytest.mark.parametrize("spec", ["hc(expansion=2,dynamic=off)", "attnres-block(block_size=3)", "mhc(expansion=2)"])
+def test_params_added_match_a_built_model(spec):
+    cfg = model_preset("tiny")
+    table = cost_table("tiny", [spec])
+    built = build_model(cfg, spec).num_params() - build_model(cfg, "preln").num_params()
+    assert table.loc[0, "params_added"] == built
+    assert table.loc[0, "variant"] == variants.canonical(spec)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_preln_counts_match_the_model_and_torch_flop_counter(tie, rng_seed):
+    cfg = model_preset("tiny", tie_embeddings=tie)
+    model = build_model(cfg, "preln")
+    assert preln_params(cfg) == model.num_params()
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len))
+    # The math kernel runs attention as plain matrix products, which the counter sees.
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx)
+    assert preln_flops_per_token(cfg) == counter.get_total_flops() / idx.numel()
+
+
+def test_relative_columns_divide_by_preln_totals():
+    table = cost_table("tiny")
+    cfg = model_preset("tiny")
+    assert table.attrs["preln_params"] == preln_params(cfg)
+    assert (table.params_added_frac * preln_params(cfg) - table.params_added).abs().max() < 1e-6
+    assert (table.extra_flops_frac * preln_flops_per_token(cfg) - table.extra_flops_per_token).abs().max() < 1e-6
+
+
+def test_unknown_preset_is_a_usage_error():
+    with pytest.raises(UsageError, match="Known presets"):
+        cost_table("huge")
+
+
+def test_cli_prints_the_table(capsys):
+    assert main(["variants", "--costs", "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "params_added" in out and "denseformer" in out
