@@ -1,0 +1,213 @@
+"""Grid files: expansion (product, zip, include, exclude), stable run ids, and every validation error."""
+
+from __future__ import annotations
+
+import os
+import random
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.errors import UsageError
+from harness.grid import combinations, expand, load_grid, nest, parse_grid
+from harness.rundir import run_id
+from harness.sweep import check_executor, load_profile, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path: Path, text: str, name: str = "grid.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def grid_of(data: dict, name: str = "g"):
+    return parse_grid(data, source=f"{name}.yaml", default_name=name)
+
+
+BASE = {"model": {"preset": "tiny"}, "train.max_steps": 5}
+
+
+def test_product_crosses_every_axis_in_order(rng_seed):
+    rnd = random.Random(rng_seed)
+    seeds = rnd.sample(range(1000), 3)
+    lrs = [round(rnd.uniform(1e-4, 1e-2), 6) for _ in range(2)]
+    runs = expand(grid_of({"base": BASE, "axes": {"train.lr": lrs, "train.seed": seeds}}))
+    got = [(r.cfg.train.lr, r.cfg.train.seed) for r in runs]
+    assert got == [(lr, s) for lr in lrs for s in seeds]
+    assert all(r.cfg.train.max_steps == 5 and r.cfg.model.d_model == 64 for r in runs)
+
+
+def test_zip_varies_keys_together_and_crosses_with_axes():
+    runs = expand(grid_of({"base": BASE, "axes": {"train.seed": [0, 1]},
+                           "zip": [{"train.lr": [1e-3, 3e-3, 1e-2], "train.warmup_steps": [1, 2, 3]}]}))
+    pairs = {(r.cfg.train.seed, r.cfg.train.lr, r.cfg.train.warmup_steps) for r in runs}
+    assert len(runs) == 6
+    assert pairs == {(s, lr, w) for s in (0, 1) for lr, w in ((1e-3, 1), (3e-3, 2), (1e-2, 3))}
+
+
+def test_exclude_drops_partial_matches_and_include_adds_runs():
+    grid = grid_of({"base": BASE, "axes": {"variant": ["preln", "ldm-rls(groups=4)"], "train.seed": [0, 1]},
+                    # the canonical form of a variant matches however its knobs are spelled
+                    "exclude": [{"variant": "ldm-rls(groups=4,omega=on)", "train.seed": 1}],
+                    "include": [{"variant": "ldm", "train.seed": 5}]})
+    combos = combinations(grid)
+    assert {"variant": "ldm-rls(groups=4)", "train.seed": 1} not in combos
+    assert combos[-1] == {"variant": "ldm", "train.seed": 5}
+    runs = expand(grid)
+    assert [(r.cfg.variant, r.cfg.train.seed) for r in runs] == [
+        ("preln", 0), ("preln", 1), ("ldm-rls(groups=4)", 0), ("ldm", 5)]
+
+
+def test_a_base_without_axes_is_one_run():
+    assert len(expand(grid_of({"base": BASE}))) == 1
+
+
+def test_nest_accepts_dotted_and_nested_keys():
+    assert nest({"train.lr": 1.0, "train": {"seed": 3}, "model": {"preset": "cpu"}}) == {
+        "train": {"lr": 1.0, "seed": 3}, "model": {"preset": "cpu"}}
+
+
+def test_ids_are_stable_readable_and_distinct(tmp_path, rng_seed):
+    lr = random.Random(rng_seed).choice([1e-3, 2e-3, 5e-3])
+    path = write(tmp_path, f"""
+        name: ids
+        base: {{model: {{preset: tiny}}, train: {{lr: {lr}}}}}
+        axes:
+          variant: [preln, "ldm-rls(groups=4)"]
+          train.seed: [0, 1]
+        """)
+    first = expand(load_grid(path))
+    again = expand(load_grid(path))
+    assert [r.run_id for r in first] == [r.run_id for r in again]
+    assert all(r.run_id == run_id(r.cfg) for r in first)
+    assert len({r.run_id for r in first}) == 4
+    assert first[0].run_id.startswith("preln-") and first[0].run_id.endswith("-s0")
+    assert first[2].run_id.startswith("ldm-rls-groups-4-")
+    # a different learning rate is a different run, the seed alone changes only the suffix
+    other = expand(grid_of({"base": {"model": {"preset": "tiny"}, "train.lr": lr * 2}, "axes": {"train.seed": [0]}}))
+    assert other[0].run_id != first[0].run_id
+    assert first[0].run_id.rsplit("-", 1)[0] == first[1].run_id.rsplit("-", 1)[0]
+    assert all(r.cfg.name == "ids" for r in first)
+
+
+def test_profile_sets_resources_and_ddp_layout(tmp_path):
+    prof = write(tmp_path, "tasks_per_node: 2\nnodes: 1\ncpus_per_task: 1\ntime_min: 7\n", "two.yaml")
+    path = write(tmp_path, "base: {model: {preset: tiny}}\n")
+    p = plan(path, profile=str(prof), root=tmp_path / "results")
+    cfg = p.runs[0].cfg
+    assert (cfg.train.devices, cfg.train.num_nodes, cfg.slurm.tasks_per_node, cfg.slurm.time_min) == (2, 1, 2, 7)
+    assert p.decisions == {p.runs[0].run_id: "submit"}
+
+
+def test_experiment_files_expand():
+    quick = plan(ROOT / "experiments" / "quickstart.yaml", root="/nonexistent-results")
+    assert [r.cfg.variant for r in quick.runs] == ["preln", "ldm", "ldm-rls", "attnres-block", "mhc"]
+    assert {r.cfg.model.preset for r in quick.runs} == {"tiny"} and not quick.warnings
+    paper = plan(ROOT / "experiments" / "paper.yaml", root="/nonexistent-results")
+    variants_run = {r.cfg.variant for r in paper.runs}
+    for name in ("preln", "ldm", "ldm-rls", "attnres", "attnres-block", "hc", "mhc", "denseformer",
+                 "ldm-rls(omega=off)", "ldm-rls(read=memory)", "ldm-rls(residual_write=off)", "ldm-rls(lambda=1.0)"):
+        assert name in variants_run
+    assert {r.cfg.train.seed for r in paper.runs} == {0, 1, 2}
+    assert {r.cfg.model.preset for r in paper.runs} == {"gpt2-small"}
+
+
+def test_paper_dry_run_warns_about_the_missing_corpus_and_submission_refuses(capsys):
+    grid = str(ROOT / "experiments" / "paper.yaml")
+    assert main(["sweep", grid, "--dry-run", "--results", "/nonexistent-results"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the corpus /path/to/fineweb-edu-shards does not exist" in out
+    assert "gpus_per_node=4" in out and "at most 8 at a time" in out
+    assert main(["sweep", grid, "--results", "/nonexistent-results"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist yet" in err and "Traceback" not in err
+    assert not Path("/nonexistent-results").exists()
+
+
+# -- validation errors: one sentence each, before anything is submitted --------------------------------------
+def expect_error(match: str, fn, *args, **kwargs):
+    with pytest.raises(UsageError, match=match) as info:
+        fn(*args, **kwargs)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    path = write(tmp_path, "base:\n  model: {preset: tiny}\naxes:\n  variant: [preln, ldm\n  train.seed: [0]\n")
+    msg = expect_error("Malformed YAML", load_grid, path)
+    assert str(path) in msg and "line 5" in msg
+
+
+def test_unknown_grid_key_suggests(tmp_path):
+    msg = expect_error("Unknown key 'axis'", load_grid, write(tmp_path, "axis: {train.seed: [0]}\n"))
+    assert "Did you mean 'axes'?" in msg
+
+
+def test_unknown_config_key_suggests(tmp_path):
+    path = write(tmp_path, "base: {model: {preset: tiny}}\naxes: {train.lrr: [0.001]}\n")
+    msg = expect_error("Unknown config key 'train.lrr'", expand, load_grid(path))
+    assert "Did you mean 'lr'?" in msg and str(path) in msg
+
+
+def test_bad_variant_name_and_knob_fail_before_submission(tmp_path):
+    msg = expect_error("Unknown variant 'ldm-rsl'", expand, grid_of({"base": BASE, "axes": {"variant": ["ldm-rsl"]}}))
+    assert "Did you mean 'ldm-rls'?" in msg
+    expect_error("no knob 'gruops'", expand, grid_of({"base": BASE, "axes": {"variant": ["ldm-rls(gruops=4)"]}}))
+    # 5 memory groups do not divide the tiny width of 64: only checkable against the model size
+    expect_error("groups", expand, grid_of({"base": BASE, "axes": {"variant": ["ldm-rls(groups=5)"]}}))
+
+
+def test_empty_grid(tmp_path):
+    grid = grid_of({"base": BASE, "axes": {"train.seed": [0, 1]}, "exclude": [{"train.seed": 0}, {"train.seed": 1}]})
+    expect_error("expands to no runs", expand, grid)
+    expect_error("which no axis", grid_of, {"base": BASE, "axes": {"train.seed": [0]}, "exclude": [{"variant": "x"}]})
+    expect_error("non-empty list", grid_of, {"base": BASE, "axes": {"train.seed": []}})
+
+
+def test_colliding_runs(tmp_path):
+    grid = grid_of({"base": BASE, "axes": {"train.seed": [0, 1]}, "include": [{"train.seed": 1}]})
+    msg = expect_error("collide", expand, grid)
+    assert "train.seed=1" in msg
+
+
+def test_zip_lengths_must_agree():
+    expect_error("one length", grid_of, {"zip": [{"train.lr": [1e-3, 2e-3], "train.seed": [0]}]})
+
+
+def test_unknown_profile_lists_the_known_ones():
+    msg = expect_error("Unknown profile 'gpu-clustr'", load_profile, "gpu-clustr")
+    assert "Did you mean 'gpu-cluster'?" in msg and "local" in msg
+
+
+def test_unknown_profile_key_suggests(tmp_path):
+    path = write(tmp_path, "partition: debug\ncpus_per_tsk: 2\n", "p.yaml")
+    msg = expect_error("Unknown key 'cpus_per_tsk'", load_profile, str(path))
+    assert "Did you mean 'cpus_per_task'?" in msg
+
+
+def test_slurm_without_sbatch_suggests_the_local_executor(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH without sbatch, as on a laptop
+    msg = expect_error("needs sbatch", check_executor, "slurm", load_profile("local"))
+    assert "--executor local" in msg
+
+
+def test_cli_reports_a_bad_grid_in_one_line(tmp_path, capsys):
+    path = write(tmp_path, "base: {model: {preset: tiny}}\naxes: {variant: [preln, hcc]}\n")
+    assert main(["sweep", str(path), "--dry-run", "--results", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("depthmem: Unknown variant 'hcc'") and len(err.splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_dry_run_lists_runs_and_resources_and_writes_nothing(tmp_path, capsys):
+    path = write(tmp_path, "name: dry\nbase: {model: {preset: tiny}}\n"
+                           "axes: {variant: [preln, ldm], train.seed: [0, 1]}\n")
+    assert main(["sweep", str(path), "--dry-run", "--profile", "local", "--results", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("submit") == 4 and "partition=debug" in out and "at most 2 at a time" in out
+    assert not (tmp_path / "r").exists()
+    assert os.listdir(tmp_path) == ["grid.yaml"]
