@@ -22,6 +22,7 @@ setup: $(BIN)/depthmem
 
 main: setup
 	$(BIN)/depthmem sweep experiments/quickstart.yaml
+	$(BIN)/depthmem report quickstart
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -29,7 +29,11 @@ def run(args) -> int:
         return 0
     for v in info:
         print(f"{v['name']}: {v['description']}")
-        for k in v["knobs"]:
-            print(f"    {k['knob']:<16} default {k['default']:<10} allowed: {k['allowed']}. {k['help']}")
+        rows = [(k["knob"], k["default"], k["allowed"], k["help"]) for k in v["knobs"]]
+        if rows:
+            widths = [max(len(r[i]) for r in rows + [("knob", "default", "allowed", "")]) for i in range(3)]
+            print("    " + "  ".join(h.ljust(w) for h, w in zip(("knob", "default", "allowed"), widths)) + "  meaning")
+            for r in rows:
+                print("    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
         print()
     return 0
