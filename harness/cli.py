@@ -61,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         sys.stderr.write(f"depthmem: {e}\n")
         return e.exit_code
+    except OSError as e:
+        # A file the system refused (no space, no permission, a path through a file): the user's to fix.
+        if debug or not e.filename:
+            raise
+        sys.stderr.write(f"depthmem: the file system refused {str(e.filename)!r} ({e.strerror or e}); "
+                         "check that its folder exists and is writable.\n")
+        return 1
     except KeyboardInterrupt:
         sys.stderr.write("depthmem: interrupted.\n")
         return 130

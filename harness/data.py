@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from harness.errors import UsageError
-from harness.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from harness.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json, writable_dir
 
 EMBEDDED = ("shakespeare",)
 INDEX_FORMAT = "depthmem-shards/1"
@@ -307,7 +307,11 @@ def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2
         raise UsageError("depthmem prepare needs at least one input: text, .jsonl or .parquet files or a dataset name.")
     if shard_tokens < 1:
         raise UsageError(f"--shard-tokens must be a positive integer, got {shard_tokens}.")
-    out = Path(out)
+    for path in inputs:  # a mistyped file name fails here, before any progress output
+        p = Path(path)
+        if not p.is_file() and (p.exists() or os.sep in path or path.startswith(".")):
+            raise UsageError(f"The input {path!r} is not a readable file (text, .jsonl or .parquet).")
+    out = writable_dir(out, "shard folder")
     if tokenizer == "gpt2":
         tok, tok_ref = tokenizers.gpt2(), "gpt2"
     else:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from harness.errors import UsageError
-from harness.io import atomic_write_text
+from harness.io import atomic_write_text, writable_dir
 from harness.tasks import KNOWN_NAMES, SUITE, TASKS_DIR, is_offline_name
 
 TABLE_COLUMNS = ("task", "metric", "value", "stderr")
@@ -111,6 +111,8 @@ def evaluate(run_dir_or_ckpt: str | os.PathLike, tasks: str | Iterable[str], *, 
     names = parse_tasks(tasks)
     if limit is not None and not limit > 0:
         raise UsageError(f"limit must be a positive number of documents per task, got {limit!r}.")
+    out = Path(out_dir) if out_dir else run_directory(path) / "eval"
+    writable_dir(out, "evaluation output folder")  # before the evaluation, not after it
     from harness.lm_adapter import DepthmemLM
 
     lm = DepthmemLM(checkpoint=str(path), batch_size=batch_size, device=device)
@@ -119,7 +121,7 @@ def evaluate(run_dir_or_ckpt: str | os.PathLike, tasks: str | Iterable[str], *, 
     results = run_tasks(lm, names, limit=limit, bootstrap_iters=bootstrap_iters, metadata=metadata)
     results["config"]["model_args"] = {"checkpoint": str(path.resolve()), "batch_size": batch_size,
                                        "device": str(lm.device)}
-    write_results(results, Path(out_dir) if out_dir else run_directory(path) / "eval")
+    write_results(results, out)
     return results
 
 

@@ -41,6 +41,23 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def writable_dir(path: str | os.PathLike, what: str = "output folder") -> Path:
+    """Create ``path`` if needed and check that files can be written in it, before any work starts.
+
+    Checked up front so that an hour of training or evaluation never ends on an unwritable folder.
+    """
+    from harness.errors import UsageError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"Cannot create the {what} {str(path)!r}: {e.strerror or e}.") from None
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"The {what} {str(path)!r} is not a writable folder.")
+    return path
+
+
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:
     """Read a JSON file, or return ``default`` when it does not exist."""
     try:

@@ -22,7 +22,7 @@ from harness import figures as figs
 from harness import tables as tabs
 from harness.aggregate import Sweep, aggregate, load_sweep, runs_frame, save_frame
 from harness.errors import UsageError
-from harness.io import atomic_write_text
+from harness.io import atomic_write_text, writable_dir
 
 TABLES = ("main", "downstream", "ablations", "cost", "bench")
 FIGURES = figs.FIGURES
@@ -103,7 +103,9 @@ def resolve_target(target: str | Path, root: str | Path | None = None) -> tuple[
         try:
             grid = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise UsageError(f"Malformed YAML in {path}: {getattr(e, 'problem', e)}.") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise UsageError(f"Malformed YAML in {path}{where}: {getattr(e, 'problem', None) or e}.") from None
         if not isinstance(grid, dict):
             raise UsageError(f"The grid file {path} must hold a mapping.")
         spec = report_spec(grid.get("report"), str(path))
@@ -166,7 +168,7 @@ def report(sweep_dir: str | Path, *, out_dir: str | Path | None = None,
     if not sweep.runs:
         raise UsageError(f"No run directories (folders with a config.json) under {sweep_dir}: "
                          "nothing to report.")
-    out_dir = Path(out_dir) if out_dir is not None else sweep_dir
+    out_dir = writable_dir(Path(out_dir) if out_dir is not None else sweep_dir, "report folder")
     table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
     notes = sweep.notes + notes
 

@@ -43,9 +43,20 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def _canonical_variant(spec: str) -> str:
+    # ``ldm-rls`` and ``ldm-rls(groups=16)`` are one model, so they must share a hash (and collide in a grid).
+    import variants
+
+    try:
+        return variants.canonical(spec)
+    except UsageError:
+        return spec
+
+
 def config_hash(cfg: RunConfig, *, with_seed: bool = False) -> str:
     """A short hash of everything that determines a run (the seed optional, the name never)."""
     d = cfg.to_dict()
+    d["variant"] = _canonical_variant(cfg.variant)
     d.pop("name", None)
     d.pop("slurm", None)  # where a run executes does not change what it computes
     if not with_seed:

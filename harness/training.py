@@ -405,6 +405,40 @@ def _check_run_dir(run_dir: Path) -> None:
         raise UsageError(f"The run directory {str(run_dir)!r} is not writable.")
 
 
+def _model_words(cfg: RunConfig) -> str:
+    return (f"variant {cfg.variant!r}, preset {cfg.model.preset!r}, d_model {cfg.model.d_model}, "
+            f"{cfg.model.n_layers} layers, seed {cfg.train.seed}")
+
+
+def _check_resumable(ckpt_path: Path, cfg: RunConfig, model: nn.Module) -> int:
+    """The step a checkpoint resumes from, once it is known to load and to hold this run's model."""
+    from harness.checkpoint import read_checkpoint
+
+    try:
+        ckpt = read_checkpoint(ckpt_path)
+    except UsageError:
+        raise UsageError(f"The checkpoint {str(ckpt_path)!r} is truncated or corrupt, so the run cannot resume "
+                         "from it; restore an earlier copy or start over with --no-resume.") from None
+    saved = (ckpt.get("depthmem") or {}).get("config")
+    if saved is not None:
+        try:
+            other = RunConfig.from_dict(saved, source=str(ckpt_path))
+        except UsageError:
+            other = None
+        if other is None or rundir.config_hash(other, with_seed=True) != rundir.config_hash(cfg, with_seed=True):
+            what = _model_words(other) if other is not None else "another config"
+            raise UsageError(f"The checkpoint {str(ckpt_path)!r} belongs to a different run ({what}), not to this "
+                             f"one ({_model_words(cfg)}); remove it or start over with --no-resume.")
+    # Even without a recorded config, the weights must fit this model name for name and shape.
+    state = {k[len("model."):]: tuple(v.shape) for k, v in (ckpt.get("state_dict") or {}).items()
+             if k.startswith("model.")}
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if state != expected:
+        raise UsageError(f"The checkpoint {str(ckpt_path)!r} holds weights of another model than this run's "
+                         f"({_model_words(cfg)}); remove it or start over with --no-resume.")
+    return int(ckpt.get("global_step", 0))
+
+
 def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) -> Path:
     """Train ``cfg`` into ``run_dir`` (resuming its last checkpoint unless ``resume=False``); returns run_dir."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -450,7 +484,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     resume_from = ckpt_path if resume and ckpt_path.exists() else None
     resume_step = 0
     if resume_from is not None:
-        resume_step = int(torch.load(resume_from, map_location="cpu", weights_only=True).get("global_step", 0))
+        resume_step = _check_resumable(resume_from, cfg, model)
     if rank0:
         rundir.write_config(run_dir, cfg)
         rundir.write_env(run_dir)

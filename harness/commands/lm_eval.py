@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from harness.errors import UsageError
+
 # lm-eval's subcommands that take --include_path; a bare --model or --tasks means its legacy form of `run`.
 _TAKES_INCLUDE_PATH = ("run", "ls", "validate")
 
@@ -47,6 +49,15 @@ def run(args) -> int:
     sys.argv = ["lm-eval", *lm_eval_argv(args.rest)]
     try:
         cli_evaluate()
+    except ValueError as e:
+        # lm-eval's own words for a misspelt task name, turned into one sentence without a traceback.
+        if not str(e).startswith("Tasks not found"):
+            raise
+        from harness.tasks import KNOWN_NAMES
+
+        missing = str(e).split(":", 1)[-1].strip()
+        raise UsageError(f"Unknown lm-eval task {missing}; the offline tasks are {', '.join(KNOWN_NAMES)}, and "
+                         "`depthmem lm-eval ls tasks` lists lm-eval's own.") from None
     finally:
         sys.argv = saved
     return 0

