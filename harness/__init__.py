@@ -27,10 +27,10 @@ _LAZY = {
     "get_tokenizer": "harness.tokenizer",
     "prepare": "harness.data",
     "evaluate": "harness.evaluation",
-    "sweep": "harness.sweep",
+    "sweep": "harness.dispatch",
     "expand_grid": "harness.grid",
-    "aggregate": "harness.aggregate",
-    "report": "harness.report",
+    "aggregate": "harness.results",
+    "report": "harness.reporting",
     "bench": "harness.bench",
     "cost_table": "harness.costs",
 }

@@ -19,7 +19,7 @@ import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from harness.aggregate import Run, Sweep
+from harness.results import Run, Sweep
 from harness.io import atomic_write_bytes
 from harness.tables import variant_order
 

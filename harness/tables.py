@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from harness.aggregate import Run, Sweep, knobs_text, split_variant
+from harness.results import Run, Sweep, knobs_text, split_variant
 from harness.io import atomic_write_text
 
 LDM_BASES = ("ldm", "ldm-rls")

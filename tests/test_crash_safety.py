@@ -264,7 +264,7 @@ def test_report_killed_at_random_moments_loses_nothing(reference, kill_rng, tmp_
 
 # -- readers during writes ------------------------------------------------------------------------------------
 def test_report_while_a_run_is_writing(reference, tmp_path):
-    from harness.report import report
+    from harness.reporting import report
 
     sweep = tmp_path / "sweep"
     proc = reference["runner"].start(["train", *TRAIN_ARGS, "--out", str(sweep / "live")])

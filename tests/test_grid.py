@@ -13,7 +13,7 @@ from harness.cli import main
 from harness.errors import UsageError
 from harness.grid import combinations, expand, load_grid, nest, parse_grid
 from harness.rundir import run_id
-from harness.sweep import check_executor, load_profile, plan
+from harness.dispatch import check_executor, load_profile, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,10 +12,10 @@ import pytest
 from scipy import stats
 
 from harness import figures as figs
-from harness.aggregate import aggregate, load_sweep, split_variant
+from harness.results import aggregate, load_sweep, split_variant
 from harness.cli import main as cli_main
 from harness.errors import UsageError
-from harness.report import report, report_spec, resolve_target
+from harness.reporting import report, report_spec, resolve_target
 
 pytestmark = pytest.mark.xdist_group("report")
 

@@ -19,7 +19,7 @@ import pytest
 from harness.errors import UsageError
 from harness.io import read_json
 from harness.rundir import read_status
-from harness.sweep import Profile, check_executor, sweep, sweep_status
+from harness.dispatch import Profile, check_executor, sweep, sweep_status
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 

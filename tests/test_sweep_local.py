@@ -13,7 +13,7 @@ import pytest
 from harness.cli import main
 from harness.io import read_json
 from harness.rundir import read_status
-from harness.sweep import SweepLocked, sweep, sweep_status
+from harness.dispatch import SweepLocked, sweep, sweep_status
 
 TINY_TRAIN = ("{max_steps: 6, batch_size: 4, warmup_steps: 1, log_every_steps: 3, val_every_steps: 3, "
               "val_batches: 1, ckpt_every_steps: 3}")

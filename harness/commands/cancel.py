@@ -13,7 +13,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from harness.sweep import cancel
+    from harness.dispatch import cancel
 
     cancelled = cancel(args.sweep, args.results)
     if cancelled:

@@ -23,7 +23,7 @@ def add_parser(sub):
 def run(args) -> int:
     from dataclasses import asdict
 
-    from harness.report import report, resolve_target
+    from harness.reporting import report, resolve_target
 
     sweep_dir, spec = resolve_target(args.sweep, args.results_dir)
     if args.dry_run:

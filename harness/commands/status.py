@@ -19,7 +19,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from harness.sweep import format_rows, sweep_status
+    from harness.dispatch import format_rows, sweep_status
 
     rows = sweep_status(args.sweep, args.results)
     if args.json:

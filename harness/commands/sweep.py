@@ -33,7 +33,7 @@ RESULT_COLUMNS = ["variant", "run_id", "state", "val_loss", "val_bpb", "params",
 
 def run(args) -> int:
     from harness.errors import UsageError
-    from harness.sweep import describe_plan, format_rows, plan, sweep
+    from harness.dispatch import describe_plan, format_rows, plan, sweep
 
     if args.parallelism is not None and args.parallelism < 1:
         raise UsageError(f"--parallelism must be a positive integer, got {args.parallelism}.")

@@ -1,6 +1,6 @@
 """``REPORT.md`` for a sweep: every table inline, every figure linked, from the run directories alone.
 
-``report(sweep_dir)`` reads the sweep (``harness.aggregate``), writes the tidy table (Parquet and CSV), the
+``report(sweep_dir)`` reads the sweep (``harness.results``), writes the tidy table (Parquet and CSV), the
 tables (Markdown, LaTeX, CSV) under ``tables/``, the figures (PNG, PDF) under ``figures/`` and ``REPORT.md``
 with relative links, so it reads on any Git host. Nothing is retrained and nothing is timestamped: the same
 results give the same files. What to produce comes from a ``ReportSpec``, usually the ``report:`` section of a
@@ -20,7 +20,7 @@ import pandas as pd
 
 from harness import figures as figs
 from harness import tables as tabs
-from harness.aggregate import Sweep, aggregate, load_sweep, runs_frame, save_frame
+from harness.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
 from harness.errors import UsageError
 from harness.io import atomic_write_text, writable_dir
 
