@@ -31,7 +31,7 @@ _LAZY = {
     "expand_grid": "harness.grid",
     "aggregate": "harness.results",
     "report": "harness.reporting",
-    "bench": "harness.bench",
+    "bench": "harness.benchmark",
     "cost_table": "harness.costs",
 }
 

@@ -1,0 +1,569 @@
+"""The cost benchmark: training-step time and peak memory of every depth mixer against PreLN, measured in one run.
+
+For each shape (depth ``L``, width ``d``, sequence length ``T``) one model per variant is built from the same seed.
+Timed forward+backward steps run interleaved, ``preln, v1, preln, v2, ..., preln`` in every repeat, so each
+variant is timed between two PreLN measurements and its ratio is taken against their mean: drift from a busy
+machine hits both sides of the ratio. Times are medians over repeats. Peak memory is measured once per model in
+a separate step (it does not drift): on CUDA with ``torch.cuda.max_memory_allocated``, on CPU from the allocator
+totals that ``torch.profiler`` records with ``profile_memory=True``; both count the model's parameters plus
+everything a step allocates (activations, logits, gradients, temporaries), no optimizer state. Beside each
+measurement stands the analytic floor from the variant's own cost model, and ``scaling`` fits how each variant's
+extra cost grows with ``L``, ``d`` and ``T``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from harness.config import PRESETS, ModelConfig, model_preset
+from harness.errors import UsageError
+
+BASELINE = "preln"
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bfloat16": "bf16"}
+DEVICES = ("cpu", "cuda")
+
+# Ratios to PreLN (time, memory) that the optimisation work aims for: small preset, seq 256, float32, CPU.
+# Keys are canonical variant names, so ``ldm-rls`` means its defaults (G = 16).
+TARGETS: dict[str, tuple[float, float]] = {
+    "ldm": (1.10, 1.20),
+    "ldm-rls": (1.30, 1.50),
+    "attnres-block": (1.15, 1.30),
+    "mhc": (1.15, 1.30),
+    "hc": (1.15, 1.30),
+    "denseformer": (1.15, 1.30),
+}
+# Full AttnRes reads every earlier output, so its cost must grow with depth: it gets no fixed target.
+GROWTH_ONLY = ("attnres",)
+
+# Columns of the CSV, in order.
+COLUMNS = [
+    "variant", "depth", "width", "seq_len", "batch_size", "vocab_size", "device", "dtype", "threads",
+    "repeats", "step_time_ms", "tokens_per_s", "peak_mem_bytes", "saved_activation_bytes",
+    "ratio_time", "ratio_time_iqr", "ratio_mem", "extra_time_ms", "extra_mem_bytes",
+    "floor_flops_per_token", "model_flops_per_token", "floor_time_ratio",
+    "floor_state_bytes_per_token", "floor_state_ratio", "target", "met",
+]
+
+# State streams are kept in float32 even under bf16 autocast (spec §1), so a carried float costs 4 bytes.
+STATE_BYTES_PER_FLOAT = 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One point of the grid: depth-mixing layers, model width and sequence length."""
+
+    depth: int
+    width: int
+    seq_len: int
+
+
+# -- configuration ------------------------------------------------------------------------------------------
+
+def model_config(preset: str, shape: Shape, vocab_size: int | None = None) -> ModelConfig:
+    """The preset resized to ``shape``: ``n_blocks = L / 2``, the MLP keeps the preset's width ratio."""
+    base = PRESETS.get(preset)
+    if base is None:
+        model_preset(preset)  # raises the UsageError that lists the presets
+    ffn = max(1, round(base["ffn_hidden"] * shape.width / base["d_model"]))
+    return model_preset(preset, n_blocks=shape.depth // 2, d_model=shape.width, ffn_hidden=ffn,
+                        max_seq_len=max(base["max_seq_len"], shape.seq_len),
+                        vocab_size=vocab_size or base["vocab_size"])
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Forward matmul FLOPs per token of the PreLN decoder (2 per multiply-add), attention scores counted in full."""
+    d, f = cfg.d_model, cfg.ffn_hidden
+    attention = 2 * 4 * d * d + 2 * 2 * seq_len * d  # q, k, v, o projections; then q·k and weights·v
+    mlp = 2 * 3 * d * f  # gate, up and down projections of SwiGLU
+    head = 2 * d * cfg.vocab_size
+    return cfg.n_blocks * (attention + mlp) + head
+
+
+def _normalise_dtype(dtype: str | torch.dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        dtype = {torch.float32: "float32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    name = DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    if name not in DTYPES:
+        raise UsageError(f"Unknown dtype {dtype!r}: allowed values are {', '.join(DTYPES)}.")
+    return name
+
+
+def _positive_ints(name: str, values: Iterable[int], *, even: bool = False) -> tuple[int, ...]:
+    out = tuple(int(v) for v in values)
+    if not out:
+        raise UsageError(f"{name} needs at least one value.")
+    for v in out:
+        if v < 1 or (even and v % 2):
+            kind = "positive even integers (L = 2 * n_blocks)" if even else "positive integers"
+            raise UsageError(f"{name} must be {kind}, got {v}.")
+    return tuple(dict.fromkeys(out))
+
+
+def resolve_variants(names: Sequence[str] | None) -> list[str]:
+    """The variants to measure, canonical and deduplicated, with the PreLN baseline first."""
+    import variants
+
+    if isinstance(names, str):
+        names = [names]
+    chosen = list(variants.names()) if not names else [n for n in names if n and n.strip()]
+    if not chosen:
+        raise UsageError(f"No variants given: choose from {', '.join(variants.names())}.")
+    out = [BASELINE]
+    for spec in chosen:
+        name = variants.canonical(spec)  # raises a UsageError naming the known variants and knobs
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def schedule(names: Sequence[str], repeats: int) -> list[list[str]]:
+    """Per repeat, the order of timed steps: every variant between two PreLN steps, order reversed on odd repeats."""
+    others = [n for n in names if n != BASELINE]
+    rounds = []
+    for r in range(repeats):
+        order = [BASELINE]
+        for name in (others if r % 2 == 0 else others[::-1]):
+            order += [name, BASELINE]
+        rounds.append(order)
+    return rounds
+
+
+# -- measurement ----------------------------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step_fn(model, idx, targets, dtype: str) -> Callable[[], None]:
+    """One training step without an optimizer: zero the gradients, forward, cross-entropy, backward."""
+    device_type = idx.device.type
+    autocast = (lambda: torch.autocast(device_type, dtype=torch.bfloat16)) if dtype == "bf16" \
+        else contextlib.nullcontext
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with autocast():
+            logits = model(idx)  # (b, t, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+
+    return step
+
+
+def _time_steps(step: Callable[[], None], n_steps: int, device: torch.device) -> float:
+    """Seconds per step, averaged over ``n_steps`` back-to-back steps."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(n_steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) / n_steps
+
+
+def static_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers (tied weights counted once)."""
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """Send file descriptor 2 to /dev/null: Kineto prints a line at every profiler start and stop, unasked."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def cpu_peak_allocated_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes live at any moment while ``fn`` runs, counting only what ``fn`` allocates (CPU allocator)."""
+    from torch._C._profiler import _ExtraFields_Allocation
+    from torch.profiler import ProfilerActivity, profile
+
+    # The profiler's allocation records carry the allocator's running total of bytes allocated since profiling
+    # began, so their maximum is the peak; it is the CPU counterpart of torch.cuda.max_memory_allocated.
+    with _stderr_silenced():
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        prof.start()
+    try:
+        fn()
+    finally:
+        with _stderr_silenced():
+            prof.stop()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        fields = node.extra_fields
+        if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
+            events.append((node.start_time_ns, fields.total_allocated, fields.alloc_size))
+    if not events:
+        return 0
+    # The running total also carries tensors from earlier profiling sessions that were freed while no profiler
+    # watched (their frees are never subtracted), so measure from the total just before the first allocation.
+    events.sort(key=lambda e: e[0])
+    base = events[0][1] - events[0][2]
+    peak = max(total for _, total, _ in events) - base
+    return int(peak)
+
+
+@contextlib.contextmanager
+def saved_activation_bytes(exclude: Iterable[torch.Tensor] = ()):
+    """Count the bytes of distinct tensors autograd saves for backward inside the block (``exclude`` left out).
+
+    Yields a dict whose ``"bytes"`` entry holds the total once the block has ended.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+    result = {"bytes": 0}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            storages[s.data_ptr()] = s.nbytes()
+        return t  # the hook only counts; autograd keeps the tensor as usual
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result
+    result["bytes"] = sum(storages.values())
+
+
+def peak_step_bytes(model, step: Callable[[], None], device: torch.device) -> tuple[int, int]:
+    """(peak bytes of one training step including the model's own, bytes saved for backward)."""
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    with saved_activation_bytes(exclude=list(model.parameters())) as saved:
+        if device.type == "cuda":
+            _sync(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            _sync(device)
+            # Other variants' models share the device, so count only what this step added above the start.
+            peak = torch.cuda.max_memory_allocated(device) - before
+        else:
+            peak = cpu_peak_allocated_bytes(step)
+    model.zero_grad(set_to_none=True)
+    return static_bytes(model) + peak, saved["bytes"]
+
+
+def _floor(mixer, cfg: ModelConfig, seq_len: int) -> dict:
+    """The analytic floor of a variant from its cost model (NaN where a variant does not give one)."""
+    try:
+        extra = float(mixer.extra_flops_per_token())
+    except NotImplementedError:
+        extra = math.nan
+    try:
+        floats = float(mixer.stream_floats_per_token())
+    except NotImplementedError:
+        floats = math.nan
+    model_flops = model_flops_per_token(cfg, seq_len)
+    return {
+        "floor_flops_per_token": extra,
+        "model_flops_per_token": model_flops,
+        "floor_time_ratio": 1.0 + extra / model_flops,
+        "floor_state_bytes_per_token": floats * STATE_BYTES_PER_FLOAT,
+        "floor_state_ratio": floats / cfg.d_model,
+    }
+
+
+def target_of(name: str) -> tuple[str, Callable[[float, float], str]]:
+    """The target text of a canonical variant name and how to mark a (time, memory) ratio pair against it."""
+    if name in TARGETS:
+        t, m = TARGETS[name]
+        return f"<={t:.2f}x time, <={m:.2f}x mem", \
+            lambda rt, rm: "met" if rt <= t and rm <= m else "not met"
+    if name in GROWTH_ONLY:
+        return "growth with depth", lambda rt, rm: "see scaling"
+    return "", lambda rt, rm: ""
+
+
+def _iqr(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[2] - q[0]
+
+
+def _measure_shape(names, shape, *, preset, vocab, batch_size, device, dtype, repeats, warmup,
+                   steps_per_repeat, seed, threads, log) -> list[dict]:
+    from harness.factory import build_model
+
+    cfg = model_config(preset, shape, vocab)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(cfg.vocab_size, (batch_size, shape.seq_len + 1), generator=gen)
+    idx, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)  # (b, t) each
+    models, steps = {}, {}
+    for name in names:
+        torch.manual_seed(seed)  # every variant starts from the same draw, so the decoders match
+        models[name] = build_model(cfg, name).to(device).train()
+        steps[name] = _step_fn(models[name], idx, targets, dtype)
+
+    for _ in range(warmup):
+        for name in names:
+            steps[name]()
+            models[name].zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    extras: dict[str, list[float]] = {n: [] for n in names}
+    for r, order in enumerate(schedule(names, repeats)):
+        gc.collect()
+        gc.disable()  # a collection inside a timed step is noise of the harness, not of the variant
+        try:
+            measured = []
+            for name in order:
+                measured.append((name, _time_steps(steps[name], steps_per_repeat, device)))
+                models[name].zero_grad(set_to_none=True)
+        finally:
+            gc.enable()
+        for i, (name, sec) in enumerate(measured):
+            times[name].append(sec)
+            if name != BASELINE:
+                base = (measured[i - 1][1] + measured[i + 1][1]) / 2
+                ratios[name].append(sec / base)
+                extras[name].append(sec - base)
+        # PreLN against its neighbour PreLN: the drift the sandwich has to absorb, reported as its spread.
+        base_times = [s for n, s in measured if n == BASELINE]
+        ratios[BASELINE] += [b / a for a, b in zip(base_times, base_times[1:])] or [1.0]
+        if log:
+            log(f"  {shape}: repeat {r + 1}/{repeats} done")
+
+    memory = {}
+    for name in names:
+        memory[name] = peak_step_bytes(models[name], steps[name], device)
+
+    rows = []
+    base_mem = memory[BASELINE][0]
+    for name in names:
+        step_s = statistics.median(times[name])
+        ratio_time = 1.0 if name == BASELINE else statistics.median(ratios[name])
+        mem, saved = memory[name]
+        target, mark = target_of(name)
+        ratio_mem = mem / base_mem
+        rows.append({
+            "variant": name, "depth": shape.depth, "width": shape.width, "seq_len": shape.seq_len,
+            "batch_size": batch_size, "vocab_size": cfg.vocab_size, "device": device.type, "dtype": dtype,
+            "threads": threads, "repeats": repeats,
+            "step_time_ms": step_s * 1e3,
+            "tokens_per_s": batch_size * shape.seq_len / step_s,
+            "peak_mem_bytes": mem, "saved_activation_bytes": saved,
+            "ratio_time": ratio_time, "ratio_time_iqr": _iqr(ratios[name]), "ratio_mem": ratio_mem,
+            "extra_time_ms": 0.0 if name == BASELINE else statistics.median(extras[name]) * 1e3,
+            "extra_mem_bytes": mem - base_mem,
+            **_floor(models[name].mixer, cfg, shape.seq_len),
+            "target": target, "met": mark(ratio_time, ratio_mem),
+        })
+    del models, steps
+    gc.collect()
+    return rows
+
+
+def bench(variants: Sequence[str] | None = None, *, preset: str = "small", depths: Sequence[int] | None = None,
+          widths: Sequence[int] | None = None, seqs: Sequence[int] = (256,), batch_size: int = 8,
+          device: str = "cpu", dtype: str | torch.dtype = "float32", repeats: int = 5, warmup: int = 2,
+          out_dir: str | os.PathLike | None = None, vocab: int | None = None, threads: int | None = None,
+          steps_per_repeat: int = 1, seed: int = 0, log: Callable[[str], None] | None = None):
+    """Time and memory of every variant against PreLN over a grid of depths, widths and sequence lengths.
+
+    Returns one row per variant and shape (columns ``COLUMNS``); with ``out_dir`` also writes ``bench.csv``,
+    ``bench_scaling.csv``, ``bench_meta.json`` and ``overhead_vs_depth.png`` there.
+    """
+    import pandas as pd
+
+    names = resolve_variants(variants)
+    if preset not in PRESETS:
+        model_preset(preset)
+    base = PRESETS[preset]
+    depths = _positive_ints("--depths", depths or (2 * base["n_blocks"],), even=True)
+    widths = _positive_ints("--widths", widths or (base["d_model"],))
+    seqs = _positive_ints("--seq", seqs)
+    for label, value, least in (("--batch-size", batch_size, 1), ("--repeats", repeats, 1),
+                                ("--warmup", warmup, 0), ("--steps-per-repeat", steps_per_repeat, 1)):
+        if int(value) != value or value < least:
+            raise UsageError(f"{label} must be an integer of at least {least}, got {value}.")
+    if vocab is not None and vocab < 2:
+        raise UsageError(f"--vocab must be an integer of at least 2, got {vocab}.")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be a positive integer, got {threads}.")
+    dtype = _normalise_dtype(dtype)
+    if device not in DEVICES:
+        raise UsageError(f"Unknown device {device!r}: allowed values are {', '.join(DEVICES)}.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
+    dev = torch.device(device)
+
+    import variants as registry
+
+    grid = [Shape(L, d, T) for T in seqs for d in widths for L in depths]
+    for shape in grid:  # every model must build before anything is timed
+        cfg = model_config(preset, shape, vocab)
+        for name in names:
+            registry.validate(name, d_model=cfg.d_model, n_layers=cfg.n_layers)
+
+    old_threads = torch.get_num_threads()
+    threads = threads or old_threads
+    torch.set_num_threads(threads)
+    load_before = _loadavg()
+    rows = []
+    try:
+        for shape in grid:
+            if log:
+                log(f"measuring {len(names)} variants at depth {shape.depth}, width {shape.width}, "
+                    f"seq {shape.seq_len} on {device} with {threads} threads")
+            rows += _measure_shape(names, shape, preset=preset, vocab=vocab, batch_size=batch_size, device=dev,
+                                   dtype=dtype, repeats=repeats, warmup=warmup,
+                                   steps_per_repeat=steps_per_repeat, seed=seed, threads=threads, log=log)
+    finally:
+        torch.set_num_threads(old_threads)
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    df.attrs["meta"] = {
+        "preset": preset, "vocab_size": int(df["vocab_size"].iloc[0]), "threads": threads, "device": device,
+        "dtype": dtype, "batch_size": batch_size, "repeats": repeats, "warmup": warmup,
+        "steps_per_repeat": steps_per_repeat, "seed": seed, "torch": torch.__version__,
+        "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+        "loadavg_before": load_before, "loadavg_after": _loadavg(),
+        "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else "",
+        "memory_method": ("torch.cuda.max_memory_allocated" if device == "cuda"
+                          else "torch.profiler allocator totals (profile_memory=True)"),
+    }
+    if out_dir is not None:
+        write_outputs(df, out_dir)
+    return df
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+# -- analysis and output -------------------------------------------------------------------------------------
+
+AXES = (("depth", "L"), ("width", "d"), ("seq_len", "T"))
+
+
+def _fit_exponents(rows, column: str) -> tuple[dict[str, float], int]:
+    """Least-squares exponents of ``column`` against the varied axes on log-log scales (positive values only)."""
+    import numpy as np
+
+    varied = [axis for axis, _ in AXES if rows[axis].nunique() > 1]
+    usable = rows[rows[column] > 0]
+    if not varied or len(usable) < len(varied) + 1:
+        return {axis: math.nan for axis, _ in AXES}, len(usable)
+    x = np.column_stack([np.ones(len(usable))] + [np.log(usable[a].to_numpy(float)) for a in varied])
+    y = np.log(usable[column].to_numpy(float))
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    fitted = dict(zip(varied, coef[1:]))
+    return {axis: float(fitted.get(axis, math.nan)) for axis, _ in AXES}, len(usable)
+
+
+def scaling(df):
+    """Per variant, exponents ``a`` with extra cost ∝ L^a_L · d^a_d · T^a_T, fitted log-log over the grid."""
+    import pandas as pd
+
+    out = []
+    for name, rows in df[df["variant"] != BASELINE].groupby("variant", sort=False):
+        t_exp, n_t = _fit_exponents(rows, "extra_time_ms")
+        m_exp, n_m = _fit_exponents(rows, "extra_mem_bytes")
+        row = {"variant": name, "points": len(rows), "time_points": n_t, "mem_points": n_m}
+        row.update({f"time_exp_{a}": v for a, v in t_exp.items()})
+        row.update({f"mem_exp_{a}": v for a, v in m_exp.items()})
+        out.append(row)
+    columns = ["variant", "points", "time_points", "mem_points"] + \
+        [f"{k}_exp_{a}" for k in ("time", "mem") for a, _ in AXES]
+    return pd.DataFrame(out, columns=columns)
+
+
+def scaling_lines(fits) -> list[str]:
+    """One sentence per variant: how its extra time and extra memory grow with L, d and T."""
+
+    def law(row, kind):
+        parts = [f"{sym}^{row[f'{kind}_exp_{axis}']:.2f}" for axis, sym in AXES
+                 if not math.isnan(row[f"{kind}_exp_{axis}"])]
+        return " · ".join(parts) if parts else "n/a (needs two values of an axis and a positive extra cost)"
+
+    return [f"{row['variant']}: extra time ∝ {law(row, 'time')}; extra memory ∝ {law(row, 'mem')}"
+            for _, row in fits.iterrows()]
+
+
+def format_table(df) -> str:
+    """The measurements as a fixed-width table with the analytic floor and the target beside each ratio."""
+    view = df.assign(
+        peak_mem_MiB=df["peak_mem_bytes"] / 2**20,
+        state_B_per_tok=df["floor_state_bytes_per_token"],
+    )[["variant", "depth", "width", "seq_len", "step_time_ms", "tokens_per_s", "peak_mem_MiB", "ratio_time",
+       "ratio_time_iqr", "ratio_mem", "floor_time_ratio", "state_B_per_tok", "target", "met"]]
+    return view.to_string(index=False, float_format=lambda x: f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}")
+
+
+def plot_overhead(df, path: str | os.PathLike) -> Path:
+    """Ratio to PreLN (time and memory) against depth, one line per variant, saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    long = df.melt(id_vars=["variant", "depth", "width", "seq_len"], value_vars=["ratio_time", "ratio_mem"],
+                   var_name="metric", value_name="ratio to preln")
+    long["shape"] = "d=" + long["width"].astype(str) + ", T=" + long["seq_len"].astype(str)
+    several = long["shape"].nunique() > 1
+    grid = sns.relplot(data=long, x="depth", y="ratio to preln", hue="variant", col="metric", kind="line",
+                       marker="o", style="shape" if several else None, height=3.6, aspect=1.2,
+                       facet_kws={"sharey": False})
+    grid.set_titles("{col_name}")
+    depths = sorted(df["depth"].unique())
+    for ax in grid.axes.flat:
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        if len(depths) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(depths, [str(d) for d in depths])
+        ax.minorticks_off()
+    grid.figure.suptitle("Overhead over PreLN against depth L", y=1.03)
+    buf = io.BytesIO()
+    grid.figure.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    plt.close(grid.figure)
+    from harness.io import atomic_write_bytes
+
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+def write_outputs(df, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write the CSV, the scaling fits, the run's settings and the plot into ``out_dir``."""
+    from harness.io import atomic_write_json, atomic_write_text
+
+    out = Path(out_dir)
+    paths = {
+        "csv": atomic_write_text(out / "bench.csv", df.to_csv(index=False)),
+        "scaling": atomic_write_text(out / "bench_scaling.csv", scaling(df).to_csv(index=False)),
+        "meta": atomic_write_json(out / "bench_meta.json", df.attrs.get("meta", {})),
+        "plot": plot_overhead(df, out / "overhead_vs_depth.png"),
+    }
+    return paths

@@ -1,0 +1,103 @@
+"""``depthmem bench``: step time and peak memory of every depth mixer against PreLN, with floors and targets."""
+
+from __future__ import annotations
+
+import sys
+
+from harness.errors import UsageError
+
+# --quick: the smallest run that still exercises every variant and every output file.
+QUICK = dict(preset="tiny", depths=[4], seqs=[32], batch_size=2, repeats=1, warmup=1)
+
+
+def _int_list(flag: str, text: str | None) -> list[int] | None:
+    """``"8,16,32"`` as integers; parsed here rather than by argparse so a mistake is a UsageError (exit 2)."""
+    if text is None:
+        return None
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise UsageError(f"{flag} takes comma-separated integers such as 8,16,32, got {text!r}.")
+    return values
+
+
+def _variant_list(text: str) -> list[str]:
+    # Knobs contain commas too (ldm-rls(groups=4,lambda=1.0)), so split only outside parentheses.
+    out, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            out.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    out.append(current.strip())
+    return [v for v in out if v]
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="time and memory of every variant against preln",
+                       description="Measure forward+backward step time, tokens/s and peak memory of each variant, "
+                                   "interleaved with preln in one process, with the analytic floor, the targets "
+                                   "and how each cost grows with depth, width and sequence length.")
+    p.add_argument("--variants", type=_variant_list, default=None,
+                   help="comma-separated variant names with optional knobs (default: all registered)")
+    p.add_argument("--preset", default=None, help="model preset (default: small)")
+    p.add_argument("--depths", default=None,
+                   help="depth-mixing layers L, even, comma-separated (default: the preset's)")
+    p.add_argument("--widths", default=None,
+                   help="model widths d, comma-separated (default: the preset's)")
+    p.add_argument("--seq", default=None, help="sequence lengths (default: 256)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 8)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary size; the preset's GPT-2 50257 makes the LM head dominate at small width")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default="float32", help="float32 or bf16 (autocast; state stays float32)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds over all variants (default: 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per model first (default: 2)")
+    p.add_argument("--steps-per-repeat", type=int, default=1, help="steps averaged in one timing (default: 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the whole run (default: torch's current setting)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens (default: 0)")
+    p.add_argument("--out", default="results/bench", help="folder for bench.csv and the plot")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: tiny preset, one depth, one repeat (explicit flags still win)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
+    return p
+
+
+def run(args) -> int:
+    from harness import benchmark as B
+
+    settings = dict(preset="small", depths=None, seqs=[256], batch_size=8, repeats=5, warmup=2)
+    if args.quick:
+        settings.update(QUICK)
+    given = dict(preset=args.preset, depths=_int_list("--depths", args.depths),
+                 seqs=_int_list("--seq", args.seq), batch_size=args.batch_size, repeats=args.repeats,
+                 warmup=args.warmup)
+    settings.update({k: v for k, v in given.items() if v is not None})
+    settings.update(variants=args.variants, widths=_int_list("--widths", args.widths), device=args.device,
+                    dtype=args.dtype, vocab=args.vocab, threads=args.threads, steps_per_repeat=args.steps_per_repeat,
+                    seed=args.seed, out_dir=args.out)
+    if args.dry_run:
+        settings["variants"] = B.resolve_variants(args.variants)
+        for key, value in settings.items():
+            print(f"{key}: {value}")
+        return 0
+
+    df = B.bench(**settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    meta = df.attrs["meta"]
+    print(f"device {meta['device']} {meta['gpu']}".rstrip() + f", dtype {meta['dtype']}, threads {meta['threads']}, "
+          f"batch {meta['batch_size']}, vocab {meta['vocab_size']}, repeats {meta['repeats']} "
+          f"(median; ratio against the mean of the two preln steps around each), warm-up {meta['warmup']}; "
+          f"load average {meta['loadavg_before']} -> {meta['loadavg_after']} on {meta['cpu_count']} CPUs")
+    print(f"memory: {meta['memory_method']}; floor_time_ratio = 1 + extra FLOPs / model FLOPs per token; "
+          f"state_B_per_tok = stream floats x 4 bytes")
+    print(B.format_table(df))
+    print()
+    for line in B.scaling_lines(B.scaling(df)):
+        print(line)
+    print(f"\nwrote {args.out}/bench.csv, bench_scaling.csv, bench_meta.json and overhead_vs_depth.png")
+    return 0

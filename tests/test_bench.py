@@ -1,0 +1,201 @@
+"""The cost benchmark: outputs for every variant, same-run ratios, memory accounting, floors and scaling fits.
+
+Nothing here asserts a time: the machine is shared. Memory, FLOPs and fits are checked against independent
+counts (known allocations, torch's FlopCounterMode, exponents of synthetic power laws).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import variants
+from harness.cli import main
+from harness.errors import UsageError
+from harness.factory import build_model
+
+from harness import benchmark as B
+
+REQUIRED = ["variant", "depth", "width", "seq_len", "batch_size", "device", "dtype", "step_time_ms",
+            "tokens_per_s", "peak_mem_bytes", "ratio_time", "ratio_mem", "floor_flops_per_token",
+            "floor_state_bytes_per_token", "target", "met", "threads", "vocab_size"]
+
+
+def _tiny(**kw):
+    """A bench call small enough for a busy two-core machine."""
+    args = dict(preset="tiny", depths=(2,), seqs=(8,), batch_size=1, repeats=1, warmup=0)
+    args.update(kw)
+    return B.bench(**args)
+
+
+def test_quick_cli_writes_csv_plot_and_a_row_for_every_registered_variant(tmp_path, capsys):
+    """``--quick`` runs every registered variant once and writes the CSV, the fits and a readable PNG."""
+    out = tmp_path / "bench"
+    assert main(["bench", "--quick", "--batch-size", "1", "--seq", "16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    df = pd.read_csv(out / "bench.csv")
+    assert set(REQUIRED) <= set(df.columns)
+    assert sorted(df["variant"]) == sorted(variants.names())
+    assert (df["depth"] == 4).all() and (df["seq_len"] == 16).all() and (df["batch_size"] == 1).all()
+    assert (df["step_time_ms"] > 0).all() and (df["peak_mem_bytes"] > 0).all()
+    assert df.loc[df["variant"] == "preln", ["ratio_time", "ratio_mem"]].to_numpy().tolist() == [[1.0, 1.0]]
+    fits = pd.read_csv(out / "bench_scaling.csv")
+    assert sorted(fits["variant"]) == sorted(n for n in variants.names() if n != "preln")
+    png = (out / "overhead_vs_depth.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out / "overhead_vs_depth.png").shape[0] > 100
+    for name in variants.names():
+        assert name in printed
+    assert "target" in printed and "threads" in printed
+
+
+def test_ratios_and_rates_come_from_the_same_run(rng_seed):
+    """Each row's ratios divide by PreLN's numbers at the same shape, and the thread setting is restored."""
+    other = next(n for n in variants.names() if n != "preln") if len(variants.names()) > 1 else "preln"
+    before = torch.get_num_threads()
+    df = _tiny(variants=[other], depths=(2, 4), threads=1, seed=rng_seed % 1000)
+    assert torch.get_num_threads() == before
+    assert len(df) == 2 * len({"preln", other})
+    assert (df["threads"] == 1).all()
+    for depth, rows in df.groupby("depth"):
+        base = rows[rows["variant"] == "preln"].iloc[0]
+        for _, row in rows.iterrows():
+            assert row["ratio_mem"] == pytest.approx(row["peak_mem_bytes"] / base["peak_mem_bytes"])
+            assert row["extra_mem_bytes"] == row["peak_mem_bytes"] - base["peak_mem_bytes"]
+            assert row["tokens_per_s"] == pytest.approx(1 * 8 / (row["step_time_ms"] / 1e3))
+            # A step must hold at least the model and everything saved for backward at once.
+            model = build_model(B.model_config("tiny", B.Shape(depth, 64, 8)), row["variant"])
+            assert row["peak_mem_bytes"] >= B.static_bytes(model) + row["saved_activation_bytes"]
+
+
+def test_same_seed_gives_the_same_memory_and_floors():
+    """Memory and floors do not depend on timing noise: two identical runs agree exactly."""
+    cols = ["variant", "peak_mem_bytes", "saved_activation_bytes", "floor_time_ratio", "floor_state_ratio"]
+    a, b = _tiny(variants=["preln"], seed=3), _tiny(variants=["preln"], seed=3)
+    pd.testing.assert_frame_equal(a[cols], b[cols])
+
+
+def test_schedule_puts_every_variant_between_two_preln_steps():
+    order_names = ["preln", "a", "b", "c"]
+    rounds = B.schedule(order_names, 3)
+    assert len(rounds) == 3
+    for order in rounds:
+        assert sorted(n for n in order if n != "preln") == ["a", "b", "c"]
+        for i, name in enumerate(order):
+            if name != "preln":
+                assert order[i - 1] == "preln" and order[i + 1] == "preln"
+    assert rounds[0][1] == "a" and rounds[1][1] == "c"  # alternating direction spreads position effects
+
+
+def test_cpu_peak_counts_exactly_the_bytes_live_at_once(rng_seed):
+    """The profiler-based peak equals the largest sum of simultaneously live allocations."""
+    g = torch.Generator().manual_seed(rng_seed)
+    a_n, b_n, c_n = (int(x) * 64 for x in torch.randint(1_000, 50_000, (3,), generator=g))
+
+    def work():
+        a = torch.empty(a_n, dtype=torch.uint8)
+        b = torch.empty(b_n, dtype=torch.uint8)
+        del a
+        c = torch.empty(c_n, dtype=torch.uint8)
+        return b, c
+
+    assert B.cpu_peak_allocated_bytes(work) == max(a_n + b_n, b_n + c_n)
+
+
+def test_saved_activation_bytes_counts_inputs_autograd_keeps(rng_seed):
+    """For tanh(x @ W) with W a parameter, backward keeps x (for W's gradient) and tanh's output."""
+    x = torch.randn(7, 5)
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    with B.saved_activation_bytes(exclude=[w]) as saved:
+        y = (x @ w).tanh()
+    assert saved["bytes"] == x.nbytes + y.nbytes
+
+
+def test_model_flops_match_torch_flop_counter(rng_seed):
+    """The analytic PreLN FLOPs equal FlopCounterMode's count of the projections, MLP and head plus the
+    attention products counted from explicit matmuls of the same shapes."""
+    g = torch.Generator().manual_seed(rng_seed)
+    heads = 4
+    width = heads * 2 * int(torch.randint(2, 8, (1,), generator=g))
+    depth, seq, batch, vocab = 2 * int(torch.randint(1, 4, (1,), generator=g)), 12, 2, 97
+    cfg = B.model_config("tiny", B.Shape(depth, width, seq), vocab)
+    model = build_model(cfg, "preln")
+    idx = torch.randint(vocab, (batch, seq), generator=g)
+    with FlopCounterMode(display=False) as counted:
+        model(idx)
+    # FlopCounterMode does not see inside CPU scaled_dot_product_attention: count q·kᵀ and weights·v directly.
+    q = torch.randn(batch, heads, seq, width // heads)
+    with FlopCounterMode(display=False) as attention:
+        torch.matmul(torch.matmul(q, q.transpose(-1, -2)), q)
+    total = counted.get_total_flops() + cfg.n_blocks * attention.get_total_flops()
+    assert B.model_flops_per_token(cfg, seq) == total / (batch * seq)
+
+
+def test_preln_floor_is_the_plain_residual():
+    cfg = B.model_config("small", B.Shape(12, 256, 256))
+    mixer = variants.build("preln", d_model=256, n_layers=12)
+    floor = B._floor(mixer, cfg, 256)
+    assert floor["floor_flops_per_token"] == 0 and floor["floor_time_ratio"] == 1.0
+    assert floor["floor_state_bytes_per_token"] == 4 * 256 and floor["floor_state_ratio"] == 1.0
+
+
+def test_scaling_recovers_known_power_laws(rng_seed):
+    """On data that follows extra time = c·L^1.5·T^0.5 and extra memory = k·L, the fit returns those exponents."""
+    g = torch.Generator().manual_seed(rng_seed)
+    c, k = float(torch.rand(1, generator=g)) + 0.1, float(torch.rand(1, generator=g)) * 1e6 + 1
+    rows = []
+    for L in (4, 8, 16, 32):
+        for T in (64, 256):
+            rows.append({"variant": "x", "depth": L, "width": 128, "seq_len": T,
+                         "extra_time_ms": c * L**1.5 * T**0.5, "extra_mem_bytes": k * L})
+    rows.append({"variant": "preln", "depth": 4, "width": 128, "seq_len": 64,
+                 "extra_time_ms": 0.0, "extra_mem_bytes": 0})
+    fits = B.scaling(pd.DataFrame(rows)).set_index("variant")
+    assert list(fits.index) == ["x"]
+    assert fits.loc["x", "time_exp_depth"] == pytest.approx(1.5, abs=1e-9)
+    assert fits.loc["x", "time_exp_seq_len"] == pytest.approx(0.5, abs=1e-9)
+    assert math.isnan(fits.loc["x", "time_exp_width"])
+    assert fits.loc["x", "mem_exp_depth"] == pytest.approx(1.0, abs=1e-9)
+    line = B.scaling_lines(B.scaling(pd.DataFrame(rows)))[0]
+    assert line.startswith("x: extra time ∝ L^1.50 · T^0.50")
+
+
+def test_targets_are_marked_met_or_not():
+    text, mark = B.target_of("ldm")
+    assert "1.10" in text and "1.20" in text
+    assert mark(1.05, 1.19) == "met" and mark(1.11, 1.0) == "not met" and mark(1.0, 1.21) == "not met"
+    assert B.target_of("attnres")[0] == "growth with depth"
+    assert B.target_of("ldm-rls(groups=4)")[0] == ""
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(depths=(3,)), "even"),
+    (dict(variants=["no-such-mixer"]), "Known"),
+    (dict(dtype="fp16"), "float32, bf16"),
+    (dict(device="tpu"), "cpu, cuda"),
+    (dict(repeats=0), "--repeats"),
+    (dict(vocab=1), "--vocab"),
+    (dict(widths=(30,)), "divisible"),
+    (dict(seqs=(0,)), "--seq"),
+])
+def test_bad_settings_fail_before_measuring(kwargs, words):
+    with pytest.raises(UsageError, match=words):
+        _tiny(**kwargs)
+
+
+def test_cli_bad_list_exits_2_with_one_sentence(capsys):
+    assert main(["bench", "--depths", "8,x"]) == 2
+    err = capsys.readouterr().err
+    assert "comma-separated integers" in err and "Traceback" not in err
+
+
+def test_variant_list_keeps_knob_commas_together():
+    from harness.commands.bench import _variant_list
+
+    assert _variant_list("ldm-rls(groups=4,lambda=1.0),hc, preln") == ["ldm-rls(groups=4,lambda=1.0)", "hc", "preln"]
