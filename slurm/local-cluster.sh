@@ -135,10 +135,11 @@ start_mariadb() {
       mariadb-install-db --user=mysql --datadir="$STATE/mysql" --auth-root-authentication-method=socket \
         --skip-test-db >"$LOG/mariadb-install.log" 2>&1
     fi
-    nohup mariadbd --user=mysql --datadir="$STATE/mysql" --socket="$DB_SOCKET" --skip-networking \
+    # setsid: its own session, so it outlives the shell (and process group) that started the cluster.
+    setsid nohup mariadbd --user=mysql --datadir="$STATE/mysql" --socket="$DB_SOCKET" --skip-networking \
       --pid-file="$STATE/mysql-run/mariadbd.pid" --log-error="$STATE/mysql-run/mariadbd.log" \
       --innodb-buffer-pool-size=64M \
-      >/dev/null 2>&1 &
+      </dev/null >/dev/null 2>&1 &
     wait_for 60 mariadbd mariadb-admin --socket="$DB_SOCKET" ping
     wait_for 10 "mariadbd PID file" test -s "$STATE/mysql-run/mariadbd.pid"
     cp "$STATE/mysql-run/mariadbd.pid" "$RUN/mariadbd.pid"
