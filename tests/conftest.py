@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Tests run on two cores, shared by the pytest-xdist workers and the subprocesses some tests start: one thread
+# each keeps them from contending (set before torch loads, so subprocesses inherit it too).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+os.environ.setdefault("OMP_NUM_THREADS", _THREADS)
+os.environ.setdefault("MKL_NUM_THREADS", _THREADS)
 
-# Tests run on two cores; more threads only contend.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ deterministic; adding a variant means adding its file and one line below."""
 
 from __future__ import annotations
 
+import torch
+
 from harness.errors import UsageError
 from variants.base import REGISTRY, DepthMixer, register
 from variants import (  # noqa: F401  (each import registers its variants)
@@ -35,7 +37,8 @@ def validate(spec: str, *, d_model: int | None = None, n_layers: int | None = No
     if d_model is None or n_layers is None:
         REGISTRY.config(spec)
     else:
-        build(spec, d_model=d_model, n_layers=n_layers)
+        with torch.device("meta"):  # shapes only: validating a 78-run grid allocates and initializes nothing
+            build(spec, d_model=d_model, n_layers=n_layers)
 
 
 def build(spec: str, *, d_model: int, n_layers: int) -> DepthMixer:
