@@ -6,6 +6,12 @@ Layer ``l`` reads ``a_l = x_{l-1} + concat_g(M^g_{l-1} q_l^g)`` and writes ``x_l
 ``variants/ldm_rls.py``). Queries and keys are unit vectors per group from small per-layer MLPs on ``x_{l-1}``;
 the head reads like a layer with its own query MLP.
 
+Two implementations compute the same function (``mixer.impl``). ``dual``, the default, never forms ``M``: it keeps
+the writes ``(k_i, v_i)`` and reads ``M q = Σ_i v_i (k_iᵀ q)``, linear attention over depth (for RLS the writes are
+whitened first, ``variants/ldm_rls.py``), so backward keeps no per-layer memory and a read costs O(writes · d) per
+token. ``recurrent`` materializes ``M`` (and ``P``) at every layer exactly as the spec writes it; it is the reference
+the tests hold the dual form to, and costs O(d · d_k) per layer whatever the depth (docs/ldm-performance.md).
+
 Axes: b batch, t time, d width, g groups, v value width d/G, k key width d_k, l depth.
 """
 
@@ -33,12 +39,74 @@ def _parse_lambda(text: str) -> str | float:
 
 
 class LDMState(NamedTuple):
-    """The streams after a layer: residual ``x`` (b, t, d), memory ``M`` (b, t, g, v, k) or None while it is
-    still zero, and for RLS the inverse key covariance ``P`` (b, t, g, k, k)."""
+    """The recurrent form's streams after a layer: residual ``x`` (b, t, d), memory ``M`` (b, t, g, v, k) or None
+    while it is still zero, and for RLS the inverse key covariance ``P`` (b, t, g, k, k)."""
 
     x: torch.Tensor
     M: torch.Tensor | None
     P: torch.Tensor | None
+
+
+class DualState(NamedTuple):
+    """The dual form's streams: residual ``x`` (b, t, d) and the writes so far, keys (b, t, g, k) and values
+    (b, t, g, v), whitened for RLS (``variants/ldm_rls.py``); ``M`` and ``P`` rebuild the recurrent form's memory
+    from them, for inspection and tests."""
+
+    x: torch.Tensor
+    keys: tuple[torch.Tensor, ...] = ()
+    values: tuple[torch.Tensor, ...] = ()
+    decay: torch.Tensor | None = None  # RLS: Π_j λ_j over the writes so far, (g,)
+    alpha: float | None = None  # RLS: the ridge scale; None for the outer-product write
+
+    @property
+    def M(self) -> torch.Tensor | None:
+        """``Σ_i ṽ_i k̃_iᵀ`` (b, t, g, v, k), or None before the first write."""
+        if not self.keys:
+            return None
+        return sum(v.unsqueeze(-1) * k.unsqueeze(-2) for k, v in zip(self.keys, self.values))
+
+    @property
+    def P(self) -> torch.Tensor | None:
+        """RLS: ``(α / Π λ)(I − Σ_i k̃_i k̃_iᵀ)`` (b, t, g, k, k) by Woodbury; None before the first write."""
+        if self.alpha is None or not self.keys:
+            return None
+        eye = torch.eye(self.keys[0].shape[-1], dtype=self.keys[0].dtype, device=self.keys[0].device)
+        # Each outer product is exactly symmetric, so their sum is too.
+        gram = sum(k.unsqueeze(-1) * k.unsqueeze(-2) for k in self.keys)
+        return (self.alpha / self.decay)[:, None, None] * (eye - gram)
+
+
+class DepthRead(torch.autograd.Function):
+    """``M q = Σ_i v_i (k_iᵀ q)`` from the writes themselves: linear attention over depth, O(writes · d) per token.
+
+    ``apply(q, *keys, *values)``: ``q`` and keys (b, t, g, k), values (b, t, g, v) -> (b, t, g, v). Written out by
+    hand so that backward keeps only the writes (which the graph holds anyway) and the per-token scores, and
+    accumulates in place instead of building one temporary per write and operation.
+    """
+
+    @staticmethod
+    def forward(ctx, q, *writes):
+        n = len(writes) // 2
+        scores = [torch.linalg.vecdot(k, q).unsqueeze(-1) for k in writes[:n]]  # k_iᵀ q, (b, t, g, 1) each
+        m = torch.zeros_like(writes[n])
+        for z, v in zip(scores, writes[n:]):
+            m.addcmul_(z, v)
+        ctx.save_for_backward(q, *scores, *writes)
+        return m
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dm):
+        q, *rest = ctx.saved_tensors
+        n = len(rest) // 3
+        scores, keys, values = rest[:n], rest[n:2 * n], rest[2 * n:]
+        dq, dkeys, dvalues = torch.zeros_like(q), [], []
+        for z, k, v in zip(scores, keys, values):
+            dz = torch.linalg.vecdot(v, dm).unsqueeze(-1)  # (b, t, g, 1)
+            dq.addcmul_(dz, k)
+            dkeys.append(dz * q)
+            dvalues.append(z * dm)
+        return dq, *dkeys, *dvalues
 
 
 class SmallMLP(nn.Module):
@@ -121,6 +189,9 @@ class LDM(DepthMixer):
         # read=memory writes the embedding first (spec §5), otherwise reads would all be zero.
         self.embed_write = cfg.read == "memory"
         self.omega_on = self.rls and cfg.omega
+        # "dual" (the default) carries the writes and reads them as linear attention over depth; "recurrent" is
+        # the spec's recursion with M (and P) materialized at every layer, kept as the reference.
+        self.impl: Literal["dual", "recurrent"] = "dual"
         if not self.uses_memory:
             return  # read=residual is PreLN: no memory, no parameters, nothing to compute.
 
@@ -150,55 +221,80 @@ class LDM(DepthMixer):
             return ldm_rls.forgetting_factor(self.theta[n].to(like.dtype))
         return torch.full((self.G,), float(self.cfg.lambda_), dtype=like.dtype, device=like.device)
 
-    def _write_memory(self, state: LDMState, n: int, layer: int, value: torch.Tensor) -> tuple:
-        """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``state.x``: the new ``(M, P)``."""
-        dt = torch.promote_types(value.dtype, torch.float32)
+    def _key(self, x: torch.Tensor, n: int, layer: int) -> tuple:
+        """Key (b, t, g, k), importance ω (b, t, g) and forgetting λ (g,) of write ``n``, from ``x`` in float32+."""
         G, dk = self.G, self.dk
-        with torch.autocast(device_type=value.device.type, enabled=False):
-            z = self.keys[n](state.x.to(dt))  # (b, t, g*k [+ g])
-            k = F.normalize(z[..., : G * dk].unflatten(-1, (G, dk)), dim=-1)  # (b, t, g, k)
-            v = value.to(dt).unflatten(-1, (G, self.dv))  # (b, t, g, v)
-            self.record("k", layer, k)
-            if not self.rls:
-                step = v.unsqueeze(-1) * k.unsqueeze(-2)  # v kᵀ, (b, t, g, v, k)
-                return (step if state.M is None else state.M + step), None
-            omega = ldm_rls.importance_weight(z[..., G * dk:]) if self.omega_on else torch.ones_like(k[..., 0])
-            lam = self._lambda(n, k)
-            self.record("omega", layer, omega)
-            self.record("lambda", layer, lam)
-            return ldm_rls.rls_write(state.M, state.P, k, v, lam, omega)
+        z = self.keys[n](x)  # (b, t, g*k [+ g])
+        k = F.normalize(z[..., : G * dk].unflatten(-1, (G, dk)), dim=-1)  # (b, t, g, k)
+        self.record("k", layer, k)
+        if not self.rls:
+            return k, None, None
+        omega = ldm_rls.importance_weight(z[..., G * dk:]) if self.omega_on else torch.ones_like(k[..., 0])
+        lam = self._lambda(n, k)
+        self.record("omega", layer, omega)
+        self.record("lambda", layer, lam)
+        return k, omega, lam
 
-    def _read(self, state: LDMState, reader: int) -> torch.Tensor:
+    def _write_memory(self, state, n: int, layer: int, value: torch.Tensor):
+        """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``state.x``: the new memory part of
+        the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay)`` in the dual form."""
+        dt = torch.promote_types(value.dtype, torch.float32)
+        with torch.autocast(device_type=value.device.type, enabled=False):
+            k, omega, lam = self._key(state.x.to(dt), n, layer)
+            v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
+            if self.impl == "recurrent":
+                if not self.rls:
+                    step = v.unsqueeze(-1) * k.unsqueeze(-2)  # v kᵀ, (b, t, g, v, k)
+                    return (step if state.M is None else state.M + step), None
+                return ldm_rls.rls_write(state.M, state.P, k, v, lam, omega)
+            if not self.rls:
+                return state.keys + (k,), state.values + (v,), None
+            decay = lam if state.decay is None else state.decay * lam  # Π_{j≤n} λ_j
+            k, v = ldm_rls.whiten(k, v, ldm_rls.ridge_diagonal(decay, omega, self.cfg.alpha),
+                                  state.keys, state.values)
+            return state.keys + (k,), state.values + (v,), decay
+
+    def _read(self, state, reader: int) -> torch.Tensor:
         """Reader ``reader``'s input: ``x``, ``x + concat_g(M^g q^g)`` or the memory read alone."""
-        x, M, P = state
-        if not self.uses_memory or M is None:  # M is None only while it is still M_{-1} = 0
+        x = state.x
+        empty = state.M is None if self.impl == "recurrent" else not state.keys  # M_{-1} = 0: nothing to read
+        if not self.uses_memory or empty:
             return x
         dt = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
             q = self.queries[reader](x.to(dt)).unflatten(-1, (self.G, self.dk))  # (b, t, g, k)
             q = F.normalize(q, dim=-1)
-            if self.rls:
-                # M = S P, so Mq = Σ_i β ω v_i k_iᵀ (P q): the mixing weights need P q (spec §7).
-                if self.trace is not None:
-                    self.record("Pq", reader, torch.einsum("btgij,btgj->btgi", P, q))
+            self.record("q", reader, q)
+            if self.impl == "recurrent":
+                m = torch.einsum("btgvk,btgk->btgv", state.M, q)
             else:
-                self.record("q", reader, q)
-            m = torch.einsum("btgvk,btgk->btgv", M, q).flatten(-2)  # (b, t, g, v) -> (b, t, d)
+                m = DepthRead.apply(q, *state.keys, *state.values)
+            m = m.flatten(-2)  # (b, t, g, v) -> (b, t, d)
         m = m.to(x.dtype)
         return m if self.cfg.read == "memory" else x + m
 
     # -- the interface -------------------------------------------------------------------------------------
     def init_state(self, e):
-        state = LDMState(e, None, None)
-        if self.uses_memory and self.rls:
-            dt = torch.promote_types(e.dtype, torch.float32)
-            P = ldm_rls.initial_inverse_covariance(self.cfg.alpha, (*e.shape[:2], self.G), self.dk,
-                                                   dtype=dt, device=e.device)
+        if self.impl == "recurrent":
+            P = None
+            if self.uses_memory and self.rls:
+                dt = torch.promote_types(e.dtype, torch.float32)
+                P = ldm_rls.initial_inverse_covariance(self.cfg.alpha, (*e.shape[:2], self.G), self.dk,
+                                                       dtype=dt, device=e.device)
             state = LDMState(e, None, P)
+        else:
+            state = DualState(e, alpha=self.cfg.alpha if self.rls else None)
         if self.embed_write:
             # v_{-1} = e under a key from its own key MLP on e, before layer 0 (spec §5).
-            state = LDMState(e, *self._write_memory(state, 0, -1, e))
+            state = self._next(state, e, self._write_memory(state, 0, -1, e))
         return state
+
+    def _next(self, state, x: torch.Tensor, memory: tuple):
+        """The state with residual ``x`` and the memory part returned by ``_write_memory``."""
+        if self.impl == "recurrent":
+            return LDMState(x, *memory)
+        keys, values, decay = memory
+        return state._replace(x=x, keys=keys, values=values, decay=decay)
 
     def read(self, state, layer):
         return self._read(state, layer)
@@ -206,9 +302,8 @@ class LDM(DepthMixer):
     def write(self, state, layer, out):
         x = state.x + out if self.cfg.residual_write else state.x
         if not self.uses_memory:
-            return LDMState(x, None, None)
-        M, P = self._write_memory(state, layer + self.embed_write, layer, out)
-        return LDMState(x, M, P)
+            return state._replace(x=x)
+        return self._next(state, x, self._write_memory(state, layer + self.embed_write, layer, out))
 
     def read_head(self, state):
         return self._read(state, self.n_layers)
@@ -216,7 +311,8 @@ class LDM(DepthMixer):
     # -- introspection -------------------------------------------------------------------------------------
     def mixing_matrix(self, trace):
         """``c[l, i]``: residual ones (spec §2) plus ``q_lᵀ k_i`` (LDM) or ``ω_i β_{l-1,i} k_iᵀ P_{l-1} q_l``
-        (LDM-RLS) per group, for the memory reads (spec §7)."""
+        (LDM-RLS) per group, for the memory reads (spec §7); the latter is solved for directly in its dual form,
+        ``r = (K Kᵀ + D)⁻¹ K q``, from the recorded keys, queries, ω and λ."""
         L, G = self.n_layers, (self.G if self.uses_memory else 1)
         b, t, _ = trace.embed.shape
         c = trace.embed.new_zeros(b, t, L + 1, L + 1, G)
@@ -232,17 +328,15 @@ class LDM(DepthMixer):
             held = writers[: reader + self.embed_write]  # writes made before this reader
             if not held:
                 continue
-            q = rec[("Pq", reader)] if self.rls else rec[("q", reader)]  # (b, t, g, k)
+            q = rec[("q", reader)]  # (b, t, g, k)
+            keys = torch.stack([rec[("k", w)] for w in held], -2)  # (b, t, g, n, k)
             if self.rls:
-                lam = torch.stack([rec[("lambda", w)] for w in held])  # (n, g)
-                # β_{l-1,i} = Π of the λ of the writes after i: a reversed cumulative product.
-                later = torch.cat([lam[1:], torch.ones_like(lam[:1])])
-                beta = torch.flip(torch.cumprod(torch.flip(later, [0]), 0), [0])  # (n, g)
-            for j, w in enumerate(held):
-                weight = (rec[("k", w)] * q).sum(-1)  # k_iᵀ q or k_iᵀ P q, (b, t, g)
-                if self.rls:
-                    weight = weight * rec[("omega", w)] * beta[j]
-                c[:, :, reader, w + 1] += weight.to(c.dtype)
+                decay = torch.cumprod(torch.stack([rec[("lambda", w)] for w in held], -1), -1)  # (g, n)
+                omega = torch.stack([rec[("omega", w)] for w in held], -1)  # (b, t, g, n)
+                weight = ldm_rls.read_weights(keys, ldm_rls.ridge_diagonal(decay, omega, self.cfg.alpha), q)
+            else:
+                weight = (keys @ q.unsqueeze(-1)).squeeze(-1)  # k_iᵀ q, (b, t, g, n)
+            c[:, :, reader, held[0] + 1: held[-1] + 2] += weight.transpose(-1, -2).to(c.dtype)
         return c
 
     def stream_floats_per_token(self):

@@ -2,8 +2,13 @@
 
 Per group the memory ``M`` (dv × dk) is the minimizer of ``Σ_i β_{n,i} ω_i ||v_i − M k_i||² + α⁻¹ β_{n,-1} ||M||²``
 after write ``n``, with forgetting ``β_{n,i} = Π_{j=i+1..n} λ_j``. ``rls_write`` keeps it exactly with the inverse
-key covariance ``P`` (dk × dk); ``closed_form_memory`` solves the same objective directly, as the reference the
-recursion is tested against. The registered variant is ``ldm-rls`` in ``variants/ldm.py``, which calls these.
+key covariance ``P`` (dk × dk). The same memory has a dual form (kernel ridge regression over depth):
+``M q = Σ_i r_i v_i`` with ``r = (K Kᵀ + D)⁻¹ K q``, ``D = diag(d_i)``, ``d_i = Π_{j≤i} λ_j / (α ω_i)``; since
+``D`` does not depend on the reader, the Cholesky factor ``K Kᵀ + D = L Lᵀ`` only grows by one row per write, and
+with ``k̃ = L⁻¹K``, ``ṽ = L⁻¹V`` the memory is ``M = Σ_i ṽ_i k̃_iᵀ``: a plain outer-product memory of whitened
+writes, which ``whiten`` computes one Gram–Schmidt step at a time. ``closed_form_memory`` and ``read_weights`` solve
+the objective directly, as the references both forms are tested against. The registered variant is ``ldm-rls`` in
+``variants/ldm.py``, which calls these.
 
 Axes: ``...`` any leading batch axes (b t for the model), g groups, v value width d/G, k key width d_k,
 n writes in depth order.
@@ -89,3 +94,36 @@ def closed_form_memory(keys: torch.Tensor, values: torch.Tensor, lambdas: torch.
         # M C = S with C symmetric: solve Cᵀ Mᵀ = Sᵀ.
         out.append(torch.linalg.solve(cov, cross.transpose(-1, -2)).transpose(-1, -2))
     return torch.stack(out)
+
+
+def ridge_diagonal(decay: torch.Tensor, omega: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``d_i = Π_{j≤i} λ_j / (α ω_i)``: write ``i``'s entry of the dual form's diagonal, from ``decay = Π_{j≤i} λ_j``."""
+    return decay / (alpha * omega)
+
+
+def whiten(k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, keys: tuple[torch.Tensor, ...],
+           values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whitened write ``(k̃_n, ṽ_n)``: ``(k, v)`` with the earlier whitened writes projected out, over ``δ``.
+
+    Shapes: ``k`` (..., g, k), ``v`` (..., g, v), ``ridge`` (..., g) the ``d_n`` of this write, ``keys`` and
+    ``values`` the earlier ``k̃_j`` (..., g, k) and ``ṽ_j`` (..., g, v). The coefficients ``l_j = k̃_jᵀ k`` are the new
+    row of ``L`` and ``δ² = |k|² + d_n − |l|²`` its diagonal entry.
+    """
+    coeffs = [(kj * k).sum(-1, keepdim=True) for kj in keys]  # l_j, (..., g, 1) each
+    k_rest, v_rest, sq = k, v, (k * k).sum(-1, keepdim=True) + ridge.unsqueeze(-1)
+    for c, kj, vj in zip(coeffs, keys, values):
+        k_rest = k_rest - c * kj
+        v_rest = v_rest - c * vj
+        sq = sq - c * c
+    # δ² is the Schur complement of K Kᵀ + D, never below d_n in exact arithmetic (K Kᵀ's part is at most |k|²);
+    # the floor keeps rounding in float32 from taking it to zero or below.
+    delta = torch.maximum(sq, ridge.unsqueeze(-1)).sqrt()
+    return k_rest / delta, v_rest / delta
+
+
+def read_weights(keys: torch.Tensor, ridge: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``r = (K Kᵀ + diag(d))⁻¹ K q``, the weights with which a read ``M q = Σ_i r_i v_i`` holds each write, by a
+    direct solve: ``keys`` (..., n, k), ``ridge`` (..., n), ``query`` (..., k) -> (..., n). A reference for tests
+    and the mixing matrix."""
+    gram = keys @ keys.mT + torch.diag_embed(ridge)  # (..., n, n)
+    return torch.linalg.solve(gram, (keys @ query.unsqueeze(-1)).squeeze(-1))
