@@ -237,19 +237,24 @@ def build_config(*layers: dict[str, Any] | list[str], source: str = "config") ->
         raise UsageError(f"Bad value in {source}: {e}.") from None
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """A RunConfig from a YAML or JSON file plus dotlist overrides."""
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """The parsed YAML of ``path``; a missing file or malformed YAML is a one-sentence ``UsageError`` (with line)."""
     import yaml
 
     path = Path(path)
     if not path.exists():
-        raise UsageError(f"The config file {str(path)!r} does not exist.")
+        raise UsageError(f"The {what} {str(path)!r} does not exist.")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"Malformed YAML in {path}{where}: {getattr(e, 'problem', e)}.") from None
+        raise UsageError(f"Malformed YAML in {path}{where}: {getattr(e, 'problem', None) or e}.") from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """A RunConfig from a YAML or JSON file plus dotlist overrides."""
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise UsageError(f"The config file {path} must hold a mapping of sections, not {type(data).__name__}.")
     return build_config(data, overrides or [], source=str(path))

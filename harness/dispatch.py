@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.config import read_yaml
 from harness.errors import DepthmemError, UsageError
 from harness.grid import Grid, GridRun, expand, load_grid
 from harness.io import atomic_write_json, read_json
@@ -94,8 +95,6 @@ def profile_names() -> list[str]:
 
 def load_profile(name_or_path: str | None) -> Profile:
     """A profile by name (``slurm/profiles/NAME.yaml``) or by path; ``None`` gives the defaults."""
-    import yaml
-
     if not name_or_path:
         return Profile()
     path = Path(name_or_path)
@@ -107,12 +106,7 @@ def load_profile(name_or_path: str | None) -> Profile:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UsageError(f"Unknown profile {name_or_path!r}.{hint} Known profiles: {', '.join(known) or 'none'} "
                          f"(in {PROFILE_DIR}), or give the path of a profile file.")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"Malformed YAML in {path}{where}: {getattr(e, 'problem', None) or e}.") from None
+    data = read_yaml(path, "profile") or {}
     if not isinstance(data, dict):
         raise UsageError(f"The profile {path} must hold a mapping of resource settings.")
     known = [f.name for f in dataclasses.fields(Profile) if f.name != "name"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.config import RunConfig, build_config
+from harness.config import RunConfig, build_config, read_yaml
 from harness.errors import UsageError
 from harness.rundir import run_id
 
@@ -67,19 +67,6 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
         else:
             node[parts[-1]] = value
     return out
-
-
-def _read_yaml(path: Path) -> Any:
-    import yaml
-
-    if not path.exists():
-        raise UsageError(f"The grid file {str(path)!r} does not exist.")
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"Malformed YAML in {path}{where}: {getattr(e, 'problem', None) or e}.") from None
 
 
 def _suggest(word: str, options) -> str:
@@ -155,7 +142,7 @@ def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str 
 def load_grid(path: str | Path) -> Grid:
     """Read and check a grid file (``experiments/*.yaml``)."""
     path = Path(path)
-    return parse_grid(_read_yaml(path), source=str(path), default_name=path.stem)
+    return parse_grid(read_yaml(path, "grid file"), source=str(path), default_name=path.stem)
 
 
 def combinations(grid: Grid) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ import pandas as pd
 from harness import figures as figs
 from harness import tables as tabs
 from harness.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
+from harness.config import read_yaml
 from harness.errors import UsageError
 from harness.io import atomic_write_text, writable_dir
 
@@ -95,17 +96,10 @@ def report_spec(section: dict[str, Any] | ReportSpec | None, source: str = "the 
 
 def resolve_target(target: str | Path, root: str | Path | None = None) -> tuple[Path, ReportSpec]:
     """The sweep folder and report spec named by a sweep name under the results root, a folder, or a grid file."""
-    import yaml
-
     base_dir = Path(root) if root is not None else results_root()
     path = Path(target)
     if path.is_file() and path.suffix in (".yaml", ".yml"):
-        try:
-            grid = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise UsageError(f"Malformed YAML in {path}{where}: {getattr(e, 'problem', None) or e}.") from None
+        grid = read_yaml(path, "grid file") or {}
         if not isinstance(grid, dict):
             raise UsageError(f"The grid file {path} must hold a mapping.")
         spec = report_spec(grid.get("report"), str(path))

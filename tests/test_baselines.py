@@ -139,7 +139,7 @@ def test_mhc_coefficients_at_init_are_constrained_and_near_preln(rng_seed):
     model = _model("mhc")
     _, _, trace = _traced(model)
     for l in range(model.n_layers):
-        pre, post, res = (trace.mixer[(k, l)] for k in ("H_pre", "H_post", "H_res"))
+        pre, res, post = (trace.mixer[(k, l)] for k in ("pre", "res", "post"))
         _check_mhc_coefficients(pre, post, res)
         eye = torch.eye(res.shape[-1], dtype=res.dtype)
         assert (res - eye).abs().max() < 2e-3, "H_res should start near the identity"

@@ -18,16 +18,12 @@ import torch
 from torch import nn
 
 from harness.registry import knob
-from variants.base import DepthMixer, register
-
-
-def mix_dtype(x: torch.Tensor) -> torch.dtype:
-    """At least float32 for mixing weights, never below the input precision (float64 stays float64)."""
-    return torch.promote_types(x.dtype, torch.float32)
+from variants.base import register
+from variants.streams import ExpandedStream, mix_dtype
 
 
 @register("hc")
-class HyperConnections(DepthMixer):
+class HyperConnections(ExpandedStream):
     """Hyper-Connections: n residual streams, read and rewritten by (dynamic) mixing matrices."""
 
     @dataclass(kw_only=True, frozen=True)
@@ -69,50 +65,9 @@ class HyperConnections(DepthMixer):
         sa, sb = self.scale[layer].to(dt)
         return am + sa * z[..., 0], ar + sa * z[..., 1 : n + 1], bw + sb * z[..., n + 1]
 
-    def init_state(self, e):
-        # A dict so that read can leave the weights it computed for write, which sees the same H.
-        return {"H": e.unsqueeze(-2).expand(*e.shape[:-1], self.n, e.shape[-1]).to(mix_dtype(e))}
-
-    def read(self, state, layer):
-        H = state["H"]
+    def connections(self, H, layer):
         am, ar, bw = self.weights(H, layer)
-        state["weights"] = (layer, am, ar, bw)
-        for key, value in (("A_m", am), ("A_r", ar), ("B", bw)):
-            self.record(key, layer, value)
-        with torch.autocast(H.device.type, enabled=False):
-            return torch.einsum("btk,btkd->btd", am, H)
-
-    def write(self, state, layer, out):
-        H = state["H"]
-        cached = state.get("weights")
-        if cached is None or cached[0] != layer:
-            cached = (layer, *self.weights(H, layer))
-        _, am, ar, bw = cached
-        with torch.autocast(H.device.type, enabled=False):
-            H = torch.einsum("btkj,btkd->btjd", ar, H) + bw.unsqueeze(-1) * out.to(H.dtype).unsqueeze(-2)
-        return {"H": H}
-
-    def read_head(self, state):
-        return state["H"].sum(-2)
-
-    def mixing_matrix(self, trace):
-        b, t, _ = trace.embed.shape
-        L, n = self.n_layers, self.n
-        dt = mix_dtype(trace.embed)
-        c = torch.zeros(b, t, L + 1, L + 1, 1, dtype=dt, device=trace.embed.device)
-        # coef[b, t, k, s]: how much of source s stream k holds; every stream starts as the embedding.
-        coef = torch.zeros(b, t, n, L + 1, dtype=dt, device=trace.embed.device)
-        coef[..., 0] = 1.0
-        for l in range(L):
-            am, ar, bw = (trace.mixer[(key, l)].to(dt) for key in ("A_m", "A_r", "B"))
-            c[:, :, l, :, 0] = torch.einsum("btk,btks->bts", am, coef)
-            coef = torch.einsum("btkj,btks->btjs", ar, coef)
-            coef[..., l + 1] += bw
-        c[:, :, L, :, 0] = coef.sum(2)
-        return c
-
-    def stream_floats_per_token(self):
-        return self.n * self.d_model
+        return am, ar.transpose(-1, -2), bw  # H ← A_r^T H: the shared stream code mixes with res = A_r^T
 
     def extra_flops_per_token(self):
         n, d, L = self.n, self.d_model, self.n_layers

@@ -21,14 +21,10 @@ import torch
 from torch import nn
 
 from harness.registry import knob
-from variants.base import DepthMixer, register
+from variants.base import register
+from variants.streams import ExpandedStream, mix_dtype
 
 OFF_DIAGONAL_LOGIT = -8.0  # exp(-8) ≈ 3e-4: H^res starts within 1e-3 of the identity for n up to 4
-
-
-def mix_dtype(x: torch.Tensor) -> torch.dtype:
-    """At least float32 for mixing weights, never below the input precision (float64 stays float64)."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
@@ -42,7 +38,7 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
 
 
 @register("mhc")
-class ManifoldHyperConnections(DepthMixer):
+class ManifoldHyperConnections(ExpandedStream):
     """mHC: n residual streams mixed by a Sinkhorn-projected, input-dependent doubly stochastic matrix."""
 
     @dataclass(kw_only=True, frozen=True)
@@ -82,50 +78,9 @@ class ManifoldHyperConnections(DepthMixer):
         res_logits = (alpha[2] * z[..., 2 * n :] + bias[2 * n :]).view(b, t, n, n)  # (b, t, j, k)
         return pre, post, sinkhorn_knopp(res_logits, self.iters)
 
-    def init_state(self, e):
-        # A dict so that read can leave the coefficients it computed for write, which sees the same X.
-        return {"X": e.unsqueeze(-2).expand(*e.shape[:-1], self.n, e.shape[-1]).to(mix_dtype(e))}
-
-    def read(self, state, layer):
-        X = state["X"]
+    def connections(self, X, layer):
         pre, post, res = self.coefficients(X, layer)
-        state["coefficients"] = (layer, pre, post, res)
-        for key, value in (("H_pre", pre), ("H_post", post), ("H_res", res)):
-            self.record(key, layer, value)
-        with torch.autocast(X.device.type, enabled=False):
-            return torch.einsum("btk,btkd->btd", pre, X)
-
-    def write(self, state, layer, out):
-        X = state["X"]
-        cached = state.get("coefficients")
-        if cached is None or cached[0] != layer:
-            cached = (layer, *self.coefficients(X, layer))
-        _, pre, post, res = cached
-        with torch.autocast(X.device.type, enabled=False):
-            X = torch.einsum("btjk,btkd->btjd", res, X) + post.unsqueeze(-1) * out.to(X.dtype).unsqueeze(-2)
-        return {"X": X}
-
-    def read_head(self, state):
-        return state["X"].sum(-2)
-
-    def mixing_matrix(self, trace):
-        b, t, _ = trace.embed.shape
-        L, n = self.n_layers, self.n
-        dt = mix_dtype(trace.embed)
-        c = torch.zeros(b, t, L + 1, L + 1, 1, dtype=dt, device=trace.embed.device)
-        # coef[b, t, k, s]: how much of source s stream k holds; every stream starts as the embedding.
-        coef = torch.zeros(b, t, n, L + 1, dtype=dt, device=trace.embed.device)
-        coef[..., 0] = 1.0
-        for l in range(L):
-            pre, post, res = (trace.mixer[(key, l)].to(dt) for key in ("H_pre", "H_post", "H_res"))
-            c[:, :, l, :, 0] = torch.einsum("btk,btks->bts", pre, coef)
-            coef = torch.einsum("btjk,btks->btjs", res, coef)
-            coef[..., l + 1] += post
-        c[:, :, L, :, 0] = coef.sum(2)
-        return c
-
-    def stream_floats_per_token(self):
-        return self.n * self.d_model
+        return pre, res, post
 
     def extra_flops_per_token(self):
         n, d, L = self.n, self.d_model, self.n_layers
