@@ -133,7 +133,7 @@ class LDM(DepthMixer):
 
     @dataclass(kw_only=True, frozen=True)
     class Config:
-        write: Literal["outer", "rls"] = knob("outer", "memory update: outer product (§3) or exact RLS (§4)",
+        write: Literal["outer", "rls"] = knob("outer", "memory update: outer product or exact recursive least squares",
                                                choices=("outer", "rls"))
         read: Literal["residual+memory", "memory", "residual"] = knob(
             "residual+memory", "a layer's input: x + Mq, Mq alone, or x alone (= PreLN)", choices=READS)
