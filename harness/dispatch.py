@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.config import read_yaml
+from harness.config import SlurmConfig, read_yaml
 from harness.errors import DepthmemError, UsageError
 from harness.grid import Grid, GridRun, expand, load_grid
 from harness.io import atomic_write_json, read_json
@@ -47,22 +47,12 @@ class SweepLocked(DepthmemError):
 
 # -- resource profiles ------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
-class Profile:
-    """Resources for every job of a sweep (``slurm/profiles/*.yaml``)."""
+class Profile(SlurmConfig):
+    """Resources for every job of a sweep (``slurm/profiles/*.yaml``): a run's ``slurm`` section plus how the
+    sweep is scheduled. ``tasks_per_node`` processes per node run DDP (train.devices follows it); ``setup``
+    lines run in the job script before Python starts (modules, environment variables)."""
 
     name: str = "default"
-    partition: str = ""
-    account: str = ""
-    qos: str = ""
-    time_min: int = 60
-    nodes: int = 1
-    tasks_per_node: int = 1
-    """Processes per node; with several, Lightning runs DDP across them (train.devices follows this)."""
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    mem_gb: float = 4.0
-    setup: list[str] = field(default_factory=list)
-    """Shell lines run in the job script before Python starts (modules, environment variables)."""
     array_parallelism: int = 4
     """Most array tasks running at once."""
     signal_delay_s: int = 90
@@ -83,8 +73,7 @@ class Profile:
 
     def config_layer(self) -> dict[str, Any]:
         """The run-config settings this profile implies: its ``slurm`` section and the DDP layout."""
-        slurm = {k: getattr(self, k) for k in ("partition", "account", "qos", "time_min", "nodes",
-                                                "tasks_per_node", "gpus_per_node", "cpus_per_task", "mem_gb")}
+        slurm = {f.name: getattr(self, f.name) for f in dataclasses.fields(SlurmConfig)}
         slurm["setup"] = list(self.setup)
         return {"slurm": slurm, "train": {"devices": self.tasks_per_node, "num_nodes": self.nodes}}
 
