@@ -9,12 +9,11 @@ merging; this module turns its errors into one sentence.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from harness.errors import UsageError
+from harness.errors import UsageError, did_you_mean
 
 
 @dataclass(kw_only=True)
@@ -67,9 +66,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def model_preset(name: str, **overrides: Any) -> ModelConfig:
     """The named preset with field overrides, e.g. ``model_preset("small", n_blocks=16)``."""
     if name not in PRESETS:
-        close = difflib.get_close_matches(name, PRESETS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise UsageError(f"Unknown preset {name!r}.{hint} Known presets: {', '.join(PRESETS)}.")
+        raise UsageError(f"Unknown preset {name!r}.{did_you_mean(name, PRESETS)} Known presets: {', '.join(PRESETS)}.")
     try:
         return ModelConfig(preset=name, **{**PRESETS[name], **overrides})
     except (TypeError, ValueError) as e:
@@ -201,8 +198,7 @@ class RunConfig:
 
 def _suggest(key: str, node) -> str:
     names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
-    close = difflib.get_close_matches(key.split(".")[-1], names, n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
+    return did_you_mean(key.split(".")[-1], names)
 
 
 def build_config(*layers: dict[str, Any] | list[str], source: str = "config") -> RunConfig:

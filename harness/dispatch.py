@@ -16,7 +16,6 @@ Layout: ``<root>/<sweep>/sweep.json`` (runs and job ids), ``<root>/<sweep>/<run_
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import shutil
 import signal
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import SlurmConfig, read_yaml
-from harness.errors import DepthmemError, UsageError
+from harness.errors import DepthmemError, UsageError, did_you_mean
 from harness.grid import Grid, GridRun, expand, load_grid
 from harness.io import atomic_write_json, read_json
 from harness.rundir import now_iso, read_config, read_status, write_config, write_status
@@ -91,8 +90,7 @@ def load_profile(name_or_path: str | None) -> Profile:
         path = PROFILE_DIR / f"{path.stem if path.suffix in ('.yaml', '.yml') else name_or_path}.yaml"
     if not path.exists():
         known = profile_names()
-        close = difflib.get_close_matches(Path(str(name_or_path)).stem, known, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(Path(str(name_or_path)).stem, known)
         raise UsageError(f"Unknown profile {name_or_path!r}.{hint} Known profiles: {', '.join(known) or 'none'} "
                          f"(in {PROFILE_DIR}), or give the path of a profile file.")
     data = read_yaml(path, "profile") or {}
@@ -101,9 +99,7 @@ def load_profile(name_or_path: str | None) -> Profile:
     known = [f.name for f in dataclasses.fields(Profile) if f.name != "name"]
     for key in data:
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise UsageError(f"Unknown key {key!r} in the profile {path}.{hint} Allowed keys: {', '.join(known)}.")
+            raise UsageError(f"Unknown key {key!r} in the profile {path}.{did_you_mean(key, known)} Allowed keys: {', '.join(known)}.")
     data.setdefault("setup", [])
     if not isinstance(data["setup"], list):
         raise UsageError(f"setup in the profile {path} must be a list of shell lines.")

@@ -21,3 +21,11 @@ class RunFailed(DepthmemError):
     """A run that started but could not finish (diverged, killed, out of memory)."""
 
     exit_code = 1
+
+
+def did_you_mean(word: str, options) -> str:
+    """`` Did you mean 'x'?`` for the closest of ``options``, or an empty string when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""

@@ -11,7 +11,6 @@ download their data from the Hugging Face hub.
 from __future__ import annotations
 
 import csv
-import difflib
 import io
 import json
 import os
@@ -19,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from harness.errors import UsageError
+from harness.errors import UsageError, did_you_mean
 from harness.io import atomic_write_text, writable_dir
 from harness.tasks import KNOWN_NAMES, SUITE, TASKS_DIR, is_offline_name
 
@@ -41,9 +40,7 @@ def parse_tasks(tasks: str | Iterable[str]) -> list[str]:
 
 
 def _unknown_task(name: str, candidates) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return (f"Unknown task {name!r}.{hint} Known offline tasks: {', '.join(KNOWN_NAMES)} "
+    return (f"Unknown task {name!r}.{did_you_mean(name, candidates)} Known offline tasks: {', '.join(KNOWN_NAMES)} "
             "(or any lm-eval task from `depthmem lm-eval ls tasks` where the hub is reachable).")
 
 

@@ -10,7 +10,6 @@ variant checked against its model size before anything is submitted, so a bad gr
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import RunConfig, build_config, read_yaml
-from harness.errors import UsageError
+from harness.errors import UsageError, did_you_mean
 from harness.rundir import run_id
 
 GRID_KEYS = ("name", "description", "profile", "parallelism", "base", "axes", "zip", "include", "exclude", "report")
@@ -69,11 +68,6 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _suggest(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
 def _mapping(value: Any, what: str, source: str) -> dict:
     if value is None:
         return {}
@@ -98,7 +92,7 @@ def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str 
                          f"not {type(data).__name__}.")
     for key in data:
         if key not in GRID_KEYS:
-            raise UsageError(f"Unknown key {key!r} in the grid file {source}.{_suggest(str(key), GRID_KEYS)} "
+            raise UsageError(f"Unknown key {key!r} in the grid file {source}.{did_you_mean(str(key), GRID_KEYS)} "
                              f"Allowed keys: {', '.join(GRID_KEYS)}.")
     name = str(data.get("name") or default_name)
     if not _NAME.match(name):

@@ -9,12 +9,11 @@ the allowed values.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, TypeVar
 
-from harness.errors import UsageError
+from harness.errors import UsageError, did_you_mean
 
 T = TypeVar("T")
 
@@ -139,9 +138,7 @@ class Registry(Generic[T]):
 
     def entry(self, name: str) -> Entry:
         if name not in self._entries:
-            close = difflib.get_close_matches(name, self._entries, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise UsageError(f"Unknown {self.kind} {name!r}.{hint} Known: {', '.join(self._entries)}.")
+            raise UsageError(f"Unknown {self.kind} {name!r}.{did_you_mean(name, self._entries)} Known: {', '.join(self._entries)}.")
         return self._entries[name]
 
     def config(self, spec: str):
@@ -152,9 +149,7 @@ class Registry(Generic[T]):
         values = dict(entry.defaults)
         for key, text in texts.items():
             if key not in fields:
-                close = difflib.get_close_matches(key, fields, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise UsageError(f"{self.kind} {name!r} has no knob {key!r}.{hint} "
+                raise UsageError(f"{self.kind} {name!r} has no knob {key!r}.{did_you_mean(key, fields)} "
                                  f"Its knobs: {', '.join(fields) or 'none'}.")
             f = fields[key]
             try:

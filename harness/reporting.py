@@ -9,7 +9,6 @@ grid file; a missing section means everything. Failed, diverged and unfinished r
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections import Counter
 from dataclasses import dataclass, field, fields
@@ -22,7 +21,7 @@ from harness import figures as figs
 from harness import tables as tabs
 from harness.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
 from harness.config import read_yaml
-from harness.errors import UsageError
+from harness.errors import UsageError, did_you_mean
 from harness.io import atomic_write_text, writable_dir
 
 TABLES = ("main", "downstream", "ablations", "cost", "bench")
@@ -60,9 +59,7 @@ def _names(value: Any, allowed: tuple[str, ...], key: str, source: str) -> list[
         raise UsageError(f"report.{key} in {source} must be a list of names from: {', '.join(allowed)}.")
     for name in value:
         if name not in allowed:
-            close = difflib.get_close_matches(str(name), allowed, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise UsageError(f"Unknown {key[:-1]} {name!r} in report.{key} of {source}.{hint} "
+            raise UsageError(f"Unknown {key[:-1]} {name!r} in report.{key} of {source}.{did_you_mean(name, allowed)} "
                              f"Allowed: {', '.join(allowed)}.")
     return [n for n in allowed if n in value]  # fixed order, whatever order the file lists them in
 
@@ -79,9 +76,7 @@ def report_spec(section: dict[str, Any] | ReportSpec | None, source: str = "the 
     known = [f.name for f in fields(ReportSpec)]
     for key in section:
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise UsageError(f"Unknown key {key!r} in the report section of {source}.{hint} "
+            raise UsageError(f"Unknown key {key!r} in the report section of {source}.{did_you_mean(key, known)} "
                              f"Allowed keys: {', '.join(known)}.")
     for key in ("sweep", "title", "baseline", "ablation_reference", "bench"):
         if key in section and section[key] is not None and not isinstance(section[key], str):
