@@ -52,7 +52,3 @@ def mixing_summary(model: Decoder, idx: torch.Tensor) -> dict:
         "per_group": per_group.permute(2, 0, 1).tolist(),
     }
 
-
-def state_bytes_per_token(model: Decoder, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of carried depth state per token at the widest point."""
-    return model.mixer.stream_floats_per_token() * torch.empty((), dtype=dtype).element_size()

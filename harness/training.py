@@ -274,7 +274,6 @@ class RunFiles(pl.Callback):
         self.metrics = _read_rows(run_dir / "metrics.csv", resume_step)
         self.layers = _read_rows(run_dir / "layers.csv", resume_step)
         self.tokens_per_step = cfg.train.batch_size * seq_len_of(cfg)
-        self.last_val: tuple[float, float] | None = None
         self.last_loss: float | None = None
         self._mark = (time.time(), resume_step)
         self.segment_tokens_per_s: float | None = None
@@ -284,7 +283,6 @@ class RunFiles(pl.Callback):
         if not self.cfg.train.val_batches:
             return
         val_loss, val_bpb = module.evaluate()
-        self.last_val = (val_loss, val_bpb)
         row.update(val_loss=val_loss, val_bpb=val_bpb)
         if trainer.is_global_zero:
             from harness.diagnostics import layer_stats, traced_forward
