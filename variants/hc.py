@@ -59,9 +59,8 @@ class HyperConnections(ExpandedStream):
         if not self.dynamic:
             return am.expand(b, t, n), ar.expand(b, t, n, n), bw.expand(b, t, n)
         with torch.autocast(H.device.type, enabled=False):
-            Hn = H.to(dt)
-            Hn = Hn * torch.rsqrt(Hn.pow(2).mean(-1, keepdim=True) + 1e-6)
-            z = torch.tanh(torch.einsum("btkd,dc->btkc", Hn, self.proj[layer].to(dt)))  # (b, t, k, n + 2)
+            H = H.to(dt)
+            z = torch.tanh(self.normalized_projection(H, self.proj[layer].to(dt)))  # (b, t, k, n + 2)
         sa, sb = self.scale[layer].to(dt)
         return am + sa * z[..., 0], ar + sa * z[..., 1 : n + 1], bw + sb * z[..., n + 1]
 

@@ -9,8 +9,11 @@ the head reads like a layer with its own query MLP.
 Two implementations compute the same function (``mixer.impl``). ``dual``, the default, never forms ``M``: it keeps
 the writes ``(k_i, v_i)`` and reads ``M q = Σ_i v_i (k_iᵀ q)``, linear attention over depth (for RLS the writes are
 whitened first, ``variants/ldm_rls.py``), so backward keeps no per-layer memory and a read costs O(writes · d) per
-token. ``recurrent`` materializes ``M`` (and ``P``) at every layer exactly as the spec writes it; it is the reference
-the tests hold the dual form to, and costs O(d · d_k) per layer whatever the depth (docs/ldm-performance.md).
+token. The dual form also computes a layer's query and key MLPs in one pass (they read the same ``x``:
+``shared_input_mlps``) and lets the reads add each write's gradient in place (``WriteGradient``). ``recurrent``
+materializes ``M`` (and ``P``) at every layer exactly as the spec writes it, with each MLP on its own; it is the
+reference the tests hold the dual form to, and costs O(d · d_k) per layer whatever the depth
+(docs/ldm-performance.md).
 
 Axes: b batch, t time, d width, g groups, v value width d/G, k key width d_k, l depth.
 """
@@ -29,6 +32,7 @@ from harness.model import RMSNorm
 from harness.registry import format_value, knob
 from variants import ldm_rls
 from variants.base import DepthMixer, register
+from variants.ops import dot, rms_scale, unit
 
 READS = ("residual+memory", "memory", "residual")
 NORM_EPS = 1e-6  # the mixer does not see the model's norm_eps; the decoder's default
@@ -57,6 +61,9 @@ class DualState(NamedTuple):
     values: tuple[torch.Tensor, ...] = ()
     decay: torch.Tensor | None = None  # RLS: Π_j λ_j over the writes so far, (g,)
     alpha: float | None = None  # RLS: the ridge scale; None for the outer-product write
+    # Key-MLP outputs a read computed alongside its query, by layer, for the write of the same layer to take.
+    pending: dict | None = None
+    grads: tuple[WriteGradient | None, ...] = ()  # per write, where the reads add its gradient (DepthRead)
 
     @property
     def M(self) -> torch.Tensor | None:
@@ -76,21 +83,69 @@ class DualState(NamedTuple):
         return (self.alpha / self.decay)[:, None, None] * (eye - gram)
 
 
+class WriteGradient:
+    """The gradient of one write's key and value, added up in place by every read that saw the write.
+
+    Autograd would give each (read, write) pair its own fresh gradient tensors and then sum them, one allocation
+    and one addition per pair: O(L²) temporaries of a (b, t, d) tensor each, the largest cost of the dual form's
+    backward on CPU. Instead ``DepthRead`` adds into these two buffers, and ``Collected``, the node every read's
+    use of the write passes through, hands them on once autograd has run all those reads' backward passes.
+    """
+
+    __slots__ = ("key", "value")
+
+    def __init__(self):
+        self.key = self.value = None
+
+    def add(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Add ``a * b`` to the buffer ``name``."""
+        buf = getattr(self, name)
+        if buf is None:
+            setattr(self, name, a * b)
+        else:
+            buf.addcmul_(a, b)
+
+    def take(self, name: str, incoming: torch.Tensor | None) -> torch.Tensor | None:
+        """The buffer plus any gradient that reached the write another way, emptying the buffer."""
+        buf = getattr(self, name)
+        setattr(self, name, None)  # a second backward through a retained graph starts from zero again
+        if buf is None:
+            return incoming
+        return buf if incoming is None else buf.add_(incoming)
+
+
+class Collected(torch.autograd.Function):
+    """Identity on a write ``(key, value)``; its backward returns what the reads added into ``grad``."""
+
+    @staticmethod
+    def forward(ctx, key, value, grad: WriteGradient):
+        ctx.grad = grad
+        return key.view_as(key), value.view_as(value)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dkey, dvalue):
+        # Autograd runs this only after the backward of every node that used the outputs, so the buffers are full.
+        return ctx.grad.take("key", dkey), ctx.grad.take("value", dvalue), None
+
+
 class DepthRead(torch.autograd.Function):
     """``M q = Σ_i v_i (k_iᵀ q)`` from the writes themselves: linear attention over depth, O(writes · d) per token.
 
-    ``apply(q, *keys, *values)``: ``q`` and keys (b, t, g, k), values (b, t, g, v) -> (b, t, g, v). Written out by
-    hand so that backward keeps only the writes (which the graph holds anyway) and the per-token scores, and
-    accumulates in place instead of building one temporary per write and operation.
+    ``apply(q, grads, *keys, *values)``: ``q`` and keys (b, t, g, k), values (b, t, g, v) -> (b, t, g, v);
+    ``grads`` holds one ``WriteGradient`` per write (or None, to return the write's gradient to autograd).
+    Written out by hand so that backward keeps only the writes (which the graph holds anyway) and the per-token
+    scores, and accumulates in place instead of building one temporary per write and operation.
     """
 
     @staticmethod
-    def forward(ctx, q, *writes):
+    def forward(ctx, q, grads, *writes):
         n = len(writes) // 2
-        scores = [torch.linalg.vecdot(k, q).unsqueeze(-1) for k in writes[:n]]  # k_iᵀ q, (b, t, g, 1) each
-        m = torch.zeros_like(writes[n])
-        for z, v in zip(scores, writes[n:]):
+        scores = [dot(k, q) for k in writes[:n]]  # k_iᵀ q, (b, t, g, 1) each
+        m = scores[0] * writes[n]
+        for z, v in zip(scores[1:], writes[n + 1:]):
             m.addcmul_(z, v)
+        ctx.grads = grads
         ctx.save_for_backward(q, *scores, *writes)
         return m
 
@@ -100,13 +155,19 @@ class DepthRead(torch.autograd.Function):
         q, *rest = ctx.saved_tensors
         n = len(rest) // 3
         scores, keys, values = rest[:n], rest[n:2 * n], rest[2 * n:]
-        dq, dkeys, dvalues = torch.zeros_like(q), [], []
-        for z, k, v in zip(scores, keys, values):
-            dz = torch.linalg.vecdot(v, dm).unsqueeze(-1)  # (b, t, g, 1)
-            dq.addcmul_(dz, k)
-            dkeys.append(dz * q)
-            dvalues.append(z * dm)
-        return dq, *dkeys, *dvalues
+        dq, dkeys, dvalues = None, [], []
+        for z, k, v, grad in zip(scores, keys, values, ctx.grads):
+            dz = dot(v, dm)  # (b, t, g, 1)
+            dq = dz * k if dq is None else dq.addcmul_(dz, k)
+            if grad is None:
+                dkeys.append(dz * q)
+                dvalues.append(z * dm)
+            else:
+                grad.add("key", dz, q)
+                grad.add("value", z, dm)
+                dkeys.append(None)
+                dvalues.append(None)
+        return dq, None, *dkeys, *dvalues
 
 
 class SmallMLP(nn.Module):
@@ -125,6 +186,17 @@ class SmallMLP(nn.Module):
         dt = x.dtype
         h = F.silu(F.linear(self.norm(x), self.fc1.weight.to(dt), self.fc1.bias.to(dt)))
         return F.linear(h, self.fc2.weight.to(dt), self.fc2.bias.to(dt))
+
+
+def shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tensor]:
+    """``[mlp(x) for mlp in mlps]``, for MLPs that all read ``x``: one RMS normalization and one first-layer
+    product for all of them, each norm's gain folded into its first layer's weights."""
+    dt = x.dtype
+    xn = x * rms_scale(x, NORM_EPS)
+    w1 = torch.cat([m.fc1.weight.to(dt) * m.norm.weight.to(dt) for m in mlps])
+    b1 = torch.cat([m.fc1.bias.to(dt) for m in mlps])
+    hidden = F.silu(F.linear(xn, w1, b1)).split([m.fc1.out_features for m in mlps], dim=-1)
+    return [F.linear(h, m.fc2.weight.to(dt), m.fc2.bias.to(dt)) for h, m in zip(hidden, mlps)]
 
 
 @register("ldm")
@@ -221,11 +293,14 @@ class LDM(DepthMixer):
             return ldm_rls.forgetting_factor(self.theta[n].to(like.dtype))
         return torch.full((self.G,), float(self.cfg.lambda_), dtype=like.dtype, device=like.device)
 
-    def _key(self, x: torch.Tensor, n: int, layer: int) -> tuple:
-        """Key (b, t, g, k), importance ω (b, t, g) and forgetting λ (g,) of write ``n``, from ``x`` in float32+."""
+    def _key(self, x: torch.Tensor, n: int, layer: int, z: torch.Tensor | None = None) -> tuple:
+        """Key (b, t, g, k), importance ω (b, t, g) and forgetting λ (g,) of write ``n``, from ``x`` in float32+
+        (or from its key MLP's output ``z``, when a read computed that already)."""
         G, dk = self.G, self.dk
-        z = self.keys[n](x)  # (b, t, g*k [+ g])
-        k = F.normalize(z[..., : G * dk].unflatten(-1, (G, dk)), dim=-1)  # (b, t, g, k)
+        if z is None:
+            z = self.keys[n](x) if self.impl == "recurrent" else shared_input_mlps(x, [self.keys[n]])[0]
+        # z: (b, t, g*k [+ g])
+        k = unit(z[..., : G * dk].unflatten(-1, (G, dk)))  # (b, t, g, k)
         self.record("k", layer, k)
         if not self.rls:
             return k, None, None
@@ -237,22 +312,27 @@ class LDM(DepthMixer):
 
     def _write_memory(self, state, n: int, layer: int, value: torch.Tensor):
         """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``state.x``: the new memory part of
-        the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay)`` in the dual form."""
+        the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay, grads)`` in the dual form."""
         dt = torch.promote_types(value.dtype, torch.float32)
         with torch.autocast(device_type=value.device.type, enabled=False):
-            k, omega, lam = self._key(state.x.to(dt), n, layer)
+            pending = None if self.impl == "recurrent" else state.pending.pop(layer, None)
+            k, omega, lam = self._key(state.x.to(dt), n, layer, pending)
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:
                     step = v.unsqueeze(-1) * k.unsqueeze(-2)  # v kᵀ, (b, t, g, v, k)
                     return (step if state.M is None else state.M + step), None
                 return ldm_rls.rls_write(state.M, state.P, k, v, lam, omega)
-            if not self.rls:
-                return state.keys + (k,), state.values + (v,), None
-            decay = lam if state.decay is None else state.decay * lam  # Π_{j≤n} λ_j
-            k, v = ldm_rls.whiten(k, v, ldm_rls.ridge_diagonal(decay, omega, self.cfg.alpha),
-                                  state.keys, state.values)
-            return state.keys + (k,), state.values + (v,), decay
+            decay = None
+            if self.rls:
+                decay = lam if state.decay is None else state.decay * lam  # Π_{j≤n} λ_j
+                k, v = ldm_rls.whiten(k, v, ldm_rls.ridge_diagonal(decay, omega, self.cfg.alpha),
+                                      state.keys, state.values)
+            grad = None
+            if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+                grad = WriteGradient()
+                k, v = Collected.apply(k, v, grad)
+            return state.keys + (k,), state.values + (v,), decay, state.grads + (grad,)
 
     def _read(self, state, reader: int) -> torch.Tensor:
         """Reader ``reader``'s input: ``x``, ``x + concat_g(M^g q^g)`` or the memory read alone."""
@@ -262,13 +342,20 @@ class LDM(DepthMixer):
             return x
         dt = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            q = self.queries[reader](x.to(dt)).unflatten(-1, (self.G, self.dk))  # (b, t, g, k)
-            q = F.normalize(q, dim=-1)
+            if self.impl == "recurrent":
+                q = self.queries[reader](x.to(dt))
+            elif reader < self.n_layers:
+                # This layer's write keys the same x: both MLPs in one pass, the key output kept for the write.
+                q, state.pending[reader] = shared_input_mlps(
+                    x.to(dt), [self.queries[reader], self.keys[reader + self.embed_write]])
+            else:
+                q = shared_input_mlps(x.to(dt), [self.queries[reader]])[0]
+            q = unit(q.unflatten(-1, (self.G, self.dk)))  # (b, t, g, k)
             self.record("q", reader, q)
             if self.impl == "recurrent":
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
             else:
-                m = DepthRead.apply(q, *state.keys, *state.values)
+                m = DepthRead.apply(q, state.grads, *state.keys, *state.values)
             m = m.flatten(-2)  # (b, t, g, v) -> (b, t, d)
         m = m.to(x.dtype)
         return m if self.cfg.read == "memory" else x + m
@@ -283,7 +370,7 @@ class LDM(DepthMixer):
                                                        dtype=dt, device=e.device)
             state = LDMState(e, None, P)
         else:
-            state = DualState(e, alpha=self.cfg.alpha if self.rls else None)
+            state = DualState(e, alpha=self.cfg.alpha if self.rls else None, pending={})
         if self.embed_write:
             # v_{-1} = e under a key from its own key MLP on e, before layer 0 (spec §5).
             state = self._next(state, e, self._write_memory(state, 0, -1, e))
@@ -293,8 +380,8 @@ class LDM(DepthMixer):
         """The state with residual ``x`` and the memory part returned by ``_write_memory``."""
         if self.impl == "recurrent":
             return LDMState(x, *memory)
-        keys, values, decay = memory
-        return state._replace(x=x, keys=keys, values=values, decay=decay)
+        keys, values, decay, grads = memory
+        return state._replace(x=x, keys=keys, values=values, decay=decay, grads=grads)
 
     def read(self, state, layer):
         return self._read(state, layer)

@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from variants.ops import dot
+
 LAMBDA_MIN = 0.5
 """Lower end of a learned forgetting factor: ``λ = λ_min + (1 − λ_min)·sigmoid(θ)``."""
 LAMBDA_INIT = 0.99
@@ -109,8 +111,8 @@ def whiten(k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, keys: tuple[to
     ``values`` the earlier ``k̃_j`` (..., g, k) and ``ṽ_j`` (..., g, v). The coefficients ``l_j = k̃_jᵀ k`` are the new
     row of ``L`` and ``δ² = |k|² + d_n − |l|²`` its diagonal entry.
     """
-    coeffs = [(kj * k).sum(-1, keepdim=True) for kj in keys]  # l_j, (..., g, 1) each
-    k_rest, v_rest, sq = k, v, (k * k).sum(-1, keepdim=True) + ridge.unsqueeze(-1)
+    coeffs = [dot(kj, k) for kj in keys]  # l_j, (..., g, 1) each
+    k_rest, v_rest, sq = k, v, dot(k, k) + ridge.unsqueeze(-1)
     for c, kj, vj in zip(coeffs, keys, values):
         k_rest = k_rest - c * kj
         v_rest = v_rest - c * vj

@@ -4,14 +4,25 @@ The state is ``X ∈ R^{n×d}`` per token, every row ``e`` at the start; the hea
 ``l`` reads ``a_l = Σ_k pre_k X_k`` and writes ``X ← res X + post ⊗ v_l``, where ``pre`` (n), ``res`` (n×n) and
 ``post`` (n) are the connections a subclass computes from ``X`` (``connections``). Only how those are computed
 differs between Hyper-Connections and mHC; reading, writing and the depth-mixing matrix are the same.
+
+Two implementations compute the same function (``mixer.impl``). ``fused``, the default, reads and writes through
+``StreamRead`` and ``StreamWrite``, whose backward passes are written out (a few passes over a token's ``n·d``
+floats instead of the layout copies and temporaries autograd makes around per-token ``einsum``s), applies the
+connections' RMSNorm after their projection (``normalized_projection``) and, in mHC, runs Sinkhorn with a
+hand-written backward. ``reference`` is the plain form of all three; tests/test_fast_paths.py holds the fused one
+to it in float64, and docs/benchmarks.md has what each change saved.
 Axes: b batch, t time, j and k streams, d width, s source.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer
+from variants.ops import rms_scale
 
 
 def mix_dtype(x: torch.Tensor) -> torch.dtype:
@@ -19,18 +30,70 @@ def mix_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+class StreamRead(torch.autograd.Function):
+    """``a = Σ_k pre_k X_k``: ``pre`` (..., k), ``X`` (..., k, d) -> (..., d)."""
+
+    @staticmethod
+    def forward(ctx, pre, X):
+        pre = pre.contiguous()  # static weights arrive broadcast over tokens; the product wants real strides
+        ctx.save_for_backward(pre, X)
+        return (pre.unsqueeze(-2) @ X).squeeze(-2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da):
+        pre, X = ctx.saved_tensors
+        dpre = (X @ da.unsqueeze(-1)).squeeze(-1) if ctx.needs_input_grad[0] else None  # X_k · da
+        dX = pre.unsqueeze(-1) * da.unsqueeze(-2) if ctx.needs_input_grad[1] else None  # pre ⊗ da
+        return dpre, dX
+
+
+class StreamWrite(torch.autograd.Function):
+    """``Y = res X + post ⊗ v``: ``res`` (..., j, k), ``X`` (..., k, d), ``post`` (..., j), ``v`` (..., d)."""
+
+    @staticmethod
+    def forward(ctx, res, X, post, v):
+        res, post = res.contiguous(), post.contiguous()
+        ctx.save_for_backward(res, X, post, v)
+        # In place on the product's fresh output: no temporary for post ⊗ v.
+        return (res @ X).addcmul_(post.unsqueeze(-1), v.unsqueeze(-2))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dY):
+        res, X, post, v = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        # The head's sum over streams hands back a broadcast gradient; products on it would loop per token.
+        dY = dY.contiguous()
+        dres = dY @ X.mT if need[0] else None  # dY_j · X_k
+        dX = res.mT @ dY if need[1] else None
+        dpost = (dY @ v.unsqueeze(-1)).squeeze(-1) if need[2] else None  # dY_j · v
+        dv = (post.unsqueeze(-2) @ dY).squeeze(-2) if need[3] else None  # Σ_j post_j dY_j
+        return dres, dX, dpost, dv
+
+
 class ExpandedStream(DepthMixer):
     """Base of mixers that carry ``n`` residual streams; subclasses set ``self.n`` and define ``connections``."""
 
     n: int
+    impl: Literal["fused", "reference"] = "fused"
 
     def connections(self, X: torch.Tensor, layer: int):
         """``pre`` (b, t, k), ``res`` (b, t, j, k) and ``post`` (b, t, j) of ``layer`` for streams ``X``."""
         raise NotImplementedError
 
+    def normalized_projection(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``RMSNorm(x) W`` with a gainless norm over the last axis of ``x``. The fused path scales the product's
+        rows instead of ``x``, so the normalized copy of ``x`` (and its gradient) is never materialized."""
+        if self.impl == "reference":
+            return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) @ weight
+        return (x @ weight) * rms_scale(x)
+
     def init_state(self, e):
+        # Contiguous, not a broadcast view: the products below would otherwise fall back to one call per token.
+        X = e.to(mix_dtype(e)).unsqueeze(-2).expand(*e.shape[:-1], self.n, e.shape[-1]).contiguous()
         # A dict so that read can leave the connections it computed for write, which sees the same X.
-        return {"X": e.unsqueeze(-2).expand(*e.shape[:-1], self.n, e.shape[-1]).to(mix_dtype(e))}
+        return {"X": X}
 
     def read(self, state, layer):
         X = state["X"]
@@ -39,7 +102,9 @@ class ExpandedStream(DepthMixer):
         for key, value in (("pre", pre), ("res", res), ("post", post)):
             self.record(key, layer, value)
         with torch.autocast(X.device.type, enabled=False):
-            return torch.einsum("btk,btkd->btd", pre, X)
+            if self.impl == "reference":
+                return torch.einsum("btk,btkd->btd", pre, X)
+            return StreamRead.apply(pre, X)
 
     def write(self, state, layer, out):
         X = state["X"]
@@ -48,7 +113,11 @@ class ExpandedStream(DepthMixer):
             cached = (layer, *self.connections(X, layer))
         _, pre, res, post = cached
         with torch.autocast(X.device.type, enabled=False):
-            X = torch.einsum("btjk,btkd->btjd", res, X) + post.unsqueeze(-1) * out.to(X.dtype).unsqueeze(-2)
+            v = out.to(X.dtype)
+            if self.impl == "reference":
+                X = torch.einsum("btjk,btkd->btjd", res, X) + post.unsqueeze(-1) * v.unsqueeze(-2)
+            else:
+                X = StreamWrite.apply(res, X, post, v)
         return {"X": X}
 
     def read_head(self, state):

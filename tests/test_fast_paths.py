@@ -1,0 +1,126 @@
+"""Every hand-written backward pass and fused path against plain autograd on the reference formula, in float64.
+
+The fast paths (``variants/ops.py``, the stream read and write of HC and mHC, the Sinkhorn projection, LDM's
+shared query/key MLP pass and the in-place gradient collection of its depth reads) exist for speed only; each
+must compute the same values and gradients as the plain formula it replaces, to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import build_model, model_preset
+from variants import ldm as ldm_module
+from variants.mhc import sinkhorn_knopp, sinkhorn_reference
+from variants.ops import dot, rms_scale, unit
+from variants.streams import StreamRead, StreamWrite
+
+F64 = dict(dtype=torch.float64)
+
+
+def _grads(fn, inputs, weight):
+    """Values of ``fn(*inputs)`` and the gradients of ``(fn(*inputs) * weight).sum()`` for every input."""
+    inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*inputs)
+    return out.detach(), torch.autograd.grad((out * weight).sum(), inputs)
+
+
+def _assert_same(fast, reference, inputs, *, rtol=1e-12, atol=1e-13):
+    out = reference(*inputs)
+    weight = torch.randn_like(out)
+    got, got_grads = _grads(fast, inputs, weight)
+    want, want_grads = _grads(reference, inputs, weight)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+        assert w.abs().sum() > 0, f"input {i} has no gradient to compare"
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=f"gradient of input {i}")
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 16), (2, 4, 7, 16), (1, 257)])
+def test_dot_rms_scale_and_unit_equal_their_formulas(shape, rng_seed):
+    a, b = torch.randn(*shape, **F64), torch.randn(*shape, **F64)
+    _assert_same(dot, lambda x, y: (x * y).sum(-1, keepdim=True), [a, b])
+    _assert_same(rms_scale, lambda x: torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), [a])
+    _assert_same(unit, lambda x: F.normalize(x, dim=-1), [a])
+    assert torch.autograd.gradcheck(lambda x: rms_scale(x, 0.1), (a[..., :5].clone().requires_grad_(),))
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_stream_read_and_write_equal_their_einsums(n, rng_seed):
+    b, t, d = 2, 5, 6
+    pre, X = torch.randn(b, t, n, **F64), torch.randn(b, t, n, d, **F64)
+    res, post, v = torch.randn(b, t, n, n, **F64), torch.randn(b, t, n, **F64), torch.randn(b, t, d, **F64)
+    _assert_same(StreamRead.apply, lambda p, x: torch.einsum("btk,btkd->btd", p, x), [pre, X])
+    _assert_same(StreamWrite.apply,
+                 lambda r, x, p, u: torch.einsum("btjk,btkd->btjd", r, x) + p.unsqueeze(-1) * u.unsqueeze(-2),
+                 [res, X, post, v])
+    # Gradients that arrive broadcast (the head's sum over streams hands back an expanded one).
+    got = torch.autograd.grad(StreamWrite.apply(res, X.requires_grad_(), post, v).sum(-2).sum(), X)[0]
+    torch.testing.assert_close(got, res.sum(-2).unsqueeze(-1).expand_as(X), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("n, iters", [(2, 1), (4, 20), (3, 7)])
+def test_sinkhorn_backward_equals_autograd_through_the_iterations(n, iters, rng_seed):
+    logits = 2.0 * torch.randn(3, 5, n, n, **F64)
+    _assert_same(lambda x: sinkhorn_knopp(x, iters), lambda x: sinkhorn_reference(x, iters), [logits],
+                 rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: sinkhorn_knopp(x, iters), (logits[:1, :2].clone().requires_grad_(),))
+
+
+def _model_pair(spec: str):
+    """The same float64 model twice: the fast path and the reference path of its mixer."""
+    fast = build_model(model_preset("tiny", n_blocks=2), spec).to(torch.float64)
+    with torch.no_grad():  # away from the initialization, where several connections are exactly trivial
+        for p in fast.mixer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    reference = build_model(model_preset("tiny", n_blocks=2), spec).to(torch.float64)
+    reference.load_state_dict(fast.state_dict())
+    reference.mixer.impl = "reference"
+    return fast, reference
+
+
+@pytest.mark.parametrize("spec", ["hc", "hc(dynamic=off)", "hc(expansion=3)", "mhc", "mhc(expansion=2,sinkhorn_iters=3)"])
+def test_stream_mixers_fast_path_equals_reference_values_and_gradients(spec, rng_seed):
+    fast, reference = _model_pair(spec)
+    assert fast.mixer.impl == "fused"
+    idx, targets = torch.randint(0, 512, (2, 12)), torch.randint(0, 512, (2, 12))
+    losses = []
+    for model in (fast, reference):
+        loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=0)
+    grads = dict(reference.named_parameters())
+    for name, p in fast.named_parameters():
+        expected = grads[name].grad
+        assert expected is not None and expected.abs().sum() > 0, name
+        torch.testing.assert_close(p.grad, expected, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_shared_input_mlps_equal_the_mlps_one_by_one(rng_seed):
+    mixer = build_model(model_preset("tiny", n_blocks=2), "ldm").to(torch.float64).mixer
+    mlps = [mixer.queries[1], mixer.keys[1], mixer.keys[2]]
+    with torch.no_grad():
+        for mlp in mlps:
+            mlp.norm.weight.uniform_(0.5, 1.5)  # gains away from 1, so folding them in is tested
+    x = torch.randn(2, 5, 64, **F64)
+    for got, mlp in zip(ldm_module.shared_input_mlps(x, mlps), mlps):
+        torch.testing.assert_close(got, mlp(x), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("spec", ["ldm", "ldm-rls(groups=4)"])
+def test_collected_write_gradients_survive_a_second_backward(spec, rng_seed):
+    """The reads add a write's gradient into a buffer; a second backward through the retained graph must start
+    from zero again, so two backward passes give exactly twice the gradient of one."""
+    model = build_model(model_preset("tiny", n_blocks=2), spec).to(torch.float64)
+    idx = torch.randint(0, 512, (2, 9))
+    loss = model(idx).square().mean()
+    loss.backward(retain_graph=True)
+    once = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    loss.backward()
+    for name, p in model.named_parameters():
+        if name in once:
+            torch.testing.assert_close(p.grad, 2 * once[name], rtol=1e-12, atol=1e-14, msg=name)
+    assert any(n.startswith("mixer.keys") for n in once)
