@@ -392,7 +392,7 @@ def bench(variants: Sequence[str] | None = None, *, preset: str = "small", depth
     """Time and memory of every variant against PreLN over a grid of depths, widths and sequence lengths.
 
     Returns one row per variant and shape (columns ``COLUMNS``); with ``out_dir`` also writes ``bench.csv``,
-    ``bench_scaling.csv``, ``bench_meta.json`` and ``overhead_vs_depth.png`` there.
+    ``bench_scaling.csv``, ``bench_meta.json`` and ``overhead_vs_<axis>.png`` there (``plot_axis``).
     """
     import pandas as pd
 
@@ -523,30 +523,46 @@ def format_table(df) -> str:
     return view.to_string(index=False, float_format=lambda x: f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}")
 
 
+AXIS_LABELS = {"depth": "depth L", "width": "width d", "seq_len": "sequence length T"}
+
+
+def plot_axis(df) -> str:
+    """The grid axis a plot runs along: depth when it varies (or when nothing does), else width, else T."""
+    for axis in ("depth", "width", "seq_len"):
+        if df[axis].nunique() > 1:
+            return axis
+    return "depth"
+
+
 def plot_overhead(df, path: str | os.PathLike) -> Path:
-    """Ratio to PreLN (time and memory) against depth, one line per variant, saved as PNG."""
+    """Ratio to PreLN (time and memory) against the varying axis (``plot_axis``), one line per variant, as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import seaborn as sns
 
+    axis = plot_axis(df)
     long = df.melt(id_vars=["variant", "depth", "width", "seq_len"], value_vars=["ratio_time", "ratio_mem"],
                    var_name="metric", value_name="ratio to preln")
-    long["shape"] = "d=" + long["width"].astype(str) + ", T=" + long["seq_len"].astype(str)
+    names = {"depth": "L", "width": "d", "seq_len": "T"}
+    others = [a for a in names if a != axis]
+    long["shape"] = long[others[0]].map(f"{names[others[0]]}={{}}".format) + ", " + \
+        long[others[1]].map(f"{names[others[1]]}={{}}".format)
     several = long["shape"].nunique() > 1
-    grid = sns.relplot(data=long, x="depth", y="ratio to preln", hue="variant", col="metric", kind="line",
+    grid = sns.relplot(data=long, x=axis, y="ratio to preln", hue="variant", col="metric", kind="line",
                        marker="o", style="shape" if several else None, height=3.6, aspect=1.2,
                        facet_kws={"sharey": False})
     grid.set_titles("{col_name}")
-    depths = sorted(df["depth"].unique())
+    values = sorted(df[axis].unique())
     for ax in grid.axes.flat:
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        if len(depths) > 1:
+        if len(values) > 1:
             ax.set_xscale("log", base=2)
-        ax.set_xticks(depths, [str(d) for d in depths])
+        ax.set_xticks(values, [str(v) for v in values])
+        ax.set_xlabel(AXIS_LABELS[axis])
         ax.minorticks_off()
-    grid.figure.suptitle("Overhead over PreLN against depth L", y=1.03)
+    grid.figure.suptitle(f"Overhead over PreLN against {AXIS_LABELS[axis]}", y=1.03)
     buf = io.BytesIO()
     grid.figure.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     plt.close(grid.figure)
@@ -564,6 +580,6 @@ def write_outputs(df, out_dir: str | os.PathLike) -> dict[str, Path]:
         "csv": atomic_write_text(out / "bench.csv", df.to_csv(index=False)),
         "scaling": atomic_write_text(out / "bench_scaling.csv", scaling(df).to_csv(index=False)),
         "meta": atomic_write_json(out / "bench_meta.json", df.attrs.get("meta", {})),
-        "plot": plot_overhead(df, out / "overhead_vs_depth.png"),
+        "plot": plot_overhead(df, out / f"overhead_vs_{plot_axis(df)}.png"),
     }
     return paths

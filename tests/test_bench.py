@@ -166,6 +166,22 @@ def test_scaling_recovers_known_power_laws(rng_seed):
     assert line.startswith("x: extra time ∝ L^1.50 · T^0.50")
 
 
+@pytest.mark.parametrize("varying, axis", [((), "depth"), (("depth", "width"), "depth"), (("width",), "width"),
+                                            (("seq_len",), "seq_len"), (("width", "seq_len"), "width")])
+def test_the_plot_runs_along_the_axis_that_varies(varying, axis, tmp_path):
+    rows = []
+    for i in range(3):
+        shape = {a: (2 ** (i + 3) if a in varying else 64) for a in ("depth", "width", "seq_len")}
+        for name, ratio in (("preln", 1.0), ("ldm", 1.1 + 0.1 * i)):
+            rows.append({"variant": name, **shape, "ratio_time": ratio, "ratio_mem": ratio})
+    df = pd.DataFrame(rows)
+    assert B.plot_axis(df) == axis
+    path = B.plot_overhead(df, tmp_path / "plot.png")
+    import matplotlib.image
+
+    assert matplotlib.image.imread(path).shape[0] > 100
+
+
 def test_targets_are_marked_met_or_not():
     text, mark = B.target_of("ldm")
     assert "1.10" in text and "1.20" in text

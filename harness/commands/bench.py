@@ -99,5 +99,5 @@ def run(args) -> int:
     print()
     for line in B.scaling_lines(B.scaling(df)):
         print(line)
-    print(f"\nwrote {args.out}/bench.csv, bench_scaling.csv, bench_meta.json and overhead_vs_depth.png")
+    print(f"\nwrote {args.out}/bench.csv, bench_scaling.csv, bench_meta.json and overhead_vs_{B.plot_axis(df)}.png")
     return 0
