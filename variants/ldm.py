@@ -120,6 +120,7 @@ class Collected(torch.autograd.Function):
     @staticmethod
     def forward(ctx, key, value, grad: WriteGradient):
         ctx.grad = grad
+        ctx.set_materialize_grads(False)  # the reads return None for the write; no zeros to fill and add
         return key.view_as(key), value.view_as(value)
 
     @staticmethod

@@ -70,7 +70,7 @@ class _Unit(torch.autograd.Function):
     def backward(ctx, g):
         u, n = ctx.saved_tensors
         # The tangential part of g, over the norm (where the norm was clamped this is exact only away from 0).
-        return torch.addcmul(g, u, _bdot(u, g), value=-1.0) / n, None
+        return torch.addcmul(g, u, _bdot(u, g), value=-1.0).div_(n), None
 
 
 def unit(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
