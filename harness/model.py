@@ -153,7 +153,8 @@ class Decoder(nn.Module):
         state = self.mixer.init_state(e)
         for l, layer in enumerate(self.layers):
             a = self.mixer.read(state, l)
-            v = layer(a)
+            # Mixers may keep their streams in float32 under bf16 weights; layers compute in the model's dtype.
+            v = layer(a.to(e.dtype))
             state = self.mixer.write(state, l, v)
             if trace is not None:
                 trace.inputs.append(a.detach())
@@ -163,7 +164,7 @@ class Decoder(nn.Module):
         if trace is not None:
             trace.embed = e.detach()
             trace.head_input = h.detach()
-        return self.lm_head(self.final_norm(h))
+        return self.lm_head(self.final_norm(h.to(e.dtype)))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -60,6 +60,18 @@ def test_every_parameter_gets_a_gradient(name, rng_seed):
     assert not missing, f"no (finite) gradient for {missing}"
 
 
+def test_trains_with_bfloat16_weights(name, rng_seed):
+    """Lightning's bf16-true casts the weights themselves: the mixers keep their state in float32, so the decoder
+    must hand each layer its input in the layers' precision."""
+    model = build_model(model_preset("tiny"), name).to(torch.bfloat16)
+    idx = torch.randint(0, VOCAB, (2, T))
+    logits = model(idx)
+    assert logits.dtype == torch.bfloat16
+    F.cross_entropy(logits.float().flatten(0, 1), torch.randint(0, VOCAB, (2 * T,))).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not missing, f"no (finite) gradient for {missing}"
+
+
 def test_mixing_matrix_reproduces_layer_inputs(name, rng_seed):
     """Each layer's input (and the head's) is Σ_i c[l, i, g]·source_i per channel group (spec §7)."""
     model = _model(name)
