@@ -294,6 +294,10 @@ class LDM(DepthMixer):
             return ldm_rls.forgetting_factor(self.theta[n].to(like.dtype))
         return torch.full((self.G,), float(self.cfg.lambda_), dtype=like.dtype, device=like.device)
 
+    def _unit(self, z: torch.Tensor) -> torch.Tensor:
+        """Unit vectors per group; the recurrent reference keeps the plain ``F.normalize``."""
+        return F.normalize(z, dim=-1) if self.impl == "recurrent" else unit(z)
+
     def _key(self, x: torch.Tensor, n: int, layer: int, z: torch.Tensor | None = None) -> tuple:
         """Key (b, t, g, k), importance ω (b, t, g) and forgetting λ (g,) of write ``n``, from ``x`` in float32+
         (or from its key MLP's output ``z``, when a read computed that already)."""
@@ -301,7 +305,7 @@ class LDM(DepthMixer):
         if z is None:
             z = self.keys[n](x) if self.impl == "recurrent" else shared_input_mlps(x, [self.keys[n]])[0]
         # z: (b, t, g*k [+ g])
-        k = unit(z[..., : G * dk].unflatten(-1, (G, dk)))  # (b, t, g, k)
+        k = self._unit(z[..., : G * dk].unflatten(-1, (G, dk)))  # (b, t, g, k)
         self.record("k", layer, k)
         if not self.rls:
             return k, None, None
@@ -351,7 +355,7 @@ class LDM(DepthMixer):
                     x.to(dt), [self.queries[reader], self.keys[reader + self.embed_write]])
             else:
                 q = shared_input_mlps(x.to(dt), [self.queries[reader]])[0]
-            q = unit(q.unflatten(-1, (self.G, self.dk)))  # (b, t, g, k)
+            q = self._unit(q.unflatten(-1, (self.G, self.dk)))  # (b, t, g, k)
             self.record("q", reader, q)
             if self.impl == "recurrent":
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
