@@ -524,6 +524,7 @@ def format_table(df) -> str:
 
 
 AXIS_LABELS = {"depth": "depth L", "width": "width d", "seq_len": "sequence length T"}
+AXIS_SYMBOLS = {"depth": "L", "width": "d", "seq_len": "T"}
 
 
 def plot_axis(df) -> str:
@@ -545,10 +546,8 @@ def plot_overhead(df, path: str | os.PathLike) -> Path:
     axis = plot_axis(df)
     long = df.melt(id_vars=["variant", "depth", "width", "seq_len"], value_vars=["ratio_time", "ratio_mem"],
                    var_name="metric", value_name="ratio to preln")
-    names = {"depth": "L", "width": "d", "seq_len": "T"}
-    others = [a for a in names if a != axis]
-    long["shape"] = long[others[0]].map(f"{names[others[0]]}={{}}".format) + ", " + \
-        long[others[1]].map(f"{names[others[1]]}={{}}".format)
+    others = [a for a in AXIS_SYMBOLS if a != axis]  # the fixed axes label each line's shape, e.g. "d=256, T=128"
+    long["shape"] = long.apply(lambda r: ", ".join(f"{AXIS_SYMBOLS[a]}={r[a]}" for a in others), axis=1)
     several = long["shape"].nunique() > 1
     grid = sns.relplot(data=long, x=axis, y="ratio to preln", hue="variant", col="metric", kind="line",
                        marker="o", style="shape" if several else None, height=3.6, aspect=1.2,
