@@ -344,7 +344,7 @@ class LDM(DepthMixer):
                     exact = rls.rls_write(*state.exact, k.double(), v.double(), lam.double(), omega.double())
                     return state.keys, state.values, decay, state.grads, raw, exact
                 k, v, margin = rls.whiten(k, v, rls.ridge_diagonal(decay, omega, self.cfg.alpha),
-                                          state.keys, state.values)
+                                          state.keys, state.values, state.grads)
                 if margin < rls.min_margin(k.dtype):
                     # This write's δ² cancelled below the precision: the exact recursion from here on.
                     return state.keys, state.values, decay, state.grads, raw, rls.replay(raw, self.cfg.alpha)

@@ -31,7 +31,9 @@ import math
 
 import torch
 
-from variants.ops import dot
+from torch.autograd.function import once_differentiable
+
+from variants.ops import _bdot
 
 LAMBDA_MIN = 0.5
 """Lower end of a learned forgetting factor: ``λ = λ_min + (1 − λ_min)·sigmoid(θ)``."""
@@ -114,30 +116,84 @@ def ridge_diagonal(decay: torch.Tensor, omega: torch.Tensor, alpha: float) -> to
     return decay / (alpha * omega)
 
 
+class _Whiten(torch.autograd.Function):
+    """One Gram–Schmidt step of the dual form with its backward written out (autograd's took most of ldm-rls's
+    extra time: a fresh gradient tensor per earlier write and operation). ``apply(k, v, ridge, grads, *keys,
+    *values)``; ``grads`` holds one gradient collector per earlier write (``ldm.WriteGradient``, or None to return
+    that write's gradient to autograd), into which the backward adds in place, as the depth reads do."""
+
+    @staticmethod
+    def forward(ctx, k, v, ridge, grads, *writes):
+        n = len(writes) // 2
+        r = ridge.unsqueeze(-1)
+        total = _bdot(k, k) + r
+        coeffs = [_bdot(kj, k) for kj in writes[:n]]  # l_j, (..., g, 1) each
+        k_rest, v_rest, sq = k.clone(), v.clone(), total.clone()
+        for c, kj, vj in zip(coeffs, writes[:n], writes[n:]):
+            k_rest.addcmul_(c, kj, value=-1.0)
+            v_rest.addcmul_(c, vj, value=-1.0)
+            sq.addcmul_(c, c, value=-1.0)
+        # δ² is the Schur complement of K Kᵀ + D, never below d_n in exact arithmetic (K Kᵀ's part is at most
+        # |k|²); the floor keeps rounding from taking it to zero or below.
+        floored = sq < r
+        sq = torch.maximum(sq, r)
+        margin = (sq / total).min() if n else torch.ones((), dtype=k.dtype, device=k.device)
+        delta = sq.sqrt_()
+        kt, vt = k_rest.div_(delta), v_rest.div_(delta)
+        ctx.grads = grads
+        ctx.save_for_backward(k, kt, vt, delta, floored, *coeffs, *writes)
+        ctx.mark_non_differentiable(margin)
+        return kt, vt, margin
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dkt, dvt, _):
+        k, kt, vt, delta, floored, *rest = ctx.saved_tensors
+        n = len(rest) // 3
+        coeffs, keys, values = rest[:n], rest[n:2 * n], rest[2 * n:]
+        if dkt is None:
+            dkt = torch.zeros_like(kt)
+        if dvt is None:
+            dvt = torch.zeros_like(vt)
+        dkr, dvr = dkt / delta, dvt / delta  # through k_rest / δ and v_rest / δ
+        # δ = √(δ²): d(δ²) = dδ / 2δ, and dδ = −(dk̃·k̃ + dṽ·ṽ) / δ.
+        dsq = (_bdot(dkt, kt) + _bdot(dvt, vt)).div_(delta.square()).mul_(-0.5)
+        dridge = dsq.squeeze(-1)  # d_n enters δ² (or is δ² where floored) with weight 1
+        dsq = dsq.masked_fill(floored, 0.0)  # where floored, δ² does not depend on k or the l_j
+        dk = torch.addcmul(dkr, k, dsq, value=2.0)
+        dkeys, dvalues = [], []
+        for c, kj, vj, grad in zip(coeffs, keys, values, ctx.grads):
+            # k_rest −= l_j k̃_j, v_rest −= l_j ṽ_j, δ² −= l_j², with l_j = k̃_jᵀ k
+            dc = (_bdot(dkr, kj) + _bdot(dvr, vj)).add_(c * dsq, alpha=2.0).neg_()
+            dk.addcmul_(dc, kj)
+            if grad is None:
+                dkeys.append(torch.addcmul(dc * k, c, dkr, value=-1.0))
+                dvalues.append(-c * dvr)
+            else:
+                grad.add("key", dc, k)
+                grad.add("key", -c, dkr)
+                grad.add("value", -c, dvr)
+                dkeys.append(None)
+                dvalues.append(None)
+        return dk, dvr, dridge, None, *dkeys, *dvalues
+
+
 def whiten(k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, keys: tuple[torch.Tensor, ...],
-           values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, float]:
+           values: tuple[torch.Tensor, ...], grads: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The whitened write ``(k̃_n, ṽ_n)``: ``(k, v)`` with the earlier whitened writes projected out, over ``δ``; and
     the margin ``min δ² / (|k|² + d_n)`` over every leading index and group (a float; 1 for the first write).
 
     Shapes: ``k`` (..., g, k), ``v`` (..., g, v), ``ridge`` (..., g) the ``d_n`` of this write, ``keys`` and
-    ``values`` the earlier ``k̃_j`` (..., g, k) and ``ṽ_j`` (..., g, v). The coefficients ``l_j = k̃_jᵀ k`` are the new
-    row of ``L`` and ``δ² = |k|² + d_n − |l|²`` its diagonal entry. The margin is how much of ``|k|² + d_n``
-    survives that subtraction: rounding errors in ``δ²`` are relative to ``|k|² + d_n``, so a margin near the
-    precision's epsilon means ``δ`` (and every later read) has lost its digits.
+    ``values`` the earlier ``k̃_j`` (..., g, k) and ``ṽ_j`` (..., g, v); ``grads`` optionally one gradient collector
+    per earlier write (see ``_Whiten``). The coefficients ``l_j = k̃_jᵀ k`` are the new row of ``L`` and
+    ``δ² = |k|² + d_n − |l|²`` its diagonal entry. The margin is how much of ``|k|² + d_n`` survives that
+    subtraction: rounding errors in ``δ²`` are relative to ``|k|² + d_n``, so a margin near the precision's epsilon
+    means ``δ`` (and every later read) has lost its digits.
     """
-    coeffs = [dot(kj, k) for kj in keys]  # l_j, (..., g, 1) each
-    k_rest, v_rest, total = k, v, dot(k, k) + ridge.unsqueeze(-1)
-    sq = total
-    for c, kj, vj in zip(coeffs, keys, values):
-        k_rest = k_rest - c * kj
-        v_rest = v_rest - c * vj
-        sq = sq - c * c
-    # δ² is the Schur complement of K Kᵀ + D, never below d_n in exact arithmetic (K Kᵀ's part is at most |k|²);
-    # the floor keeps rounding from taking it to zero or below.
-    sq = torch.maximum(sq, ridge.unsqueeze(-1))
-    margin = 1.0 if not keys else float((sq.detach() / total.detach()).min())
-    delta = sq.sqrt()
-    return k_rest / delta, v_rest / delta, margin
+    if grads is None:
+        grads = (None,) * len(keys)
+    kt, vt, margin = _Whiten.apply(k, v, ridge, grads, *keys, *values)
+    return kt, vt, float(margin)
 
 
 def min_margin(dtype: torch.dtype) -> float:
