@@ -364,6 +364,11 @@ def test_runs_of_different_budgets_are_never_compared(tmp_path, rng_seed):
         "— (trained on 2.00K tokens, preln on 1.00K tokens)"
     assert list(shown["Train tokens"]) == ["1.00K", "1.00K", "2.00K"]
     assert any("No Δ for ldm-rls" in n for n in table.notes)
+    tidy = aggregate(sweep)  # every row carries its run's budget, typed
+    assert str(tidy["train_tokens"].dtype) == "Int64" and "train_tokens" not in set(tidy["metric"])
+    assert dict(tidy.groupby("variant")["train_tokens"].unique().map(list)) == {
+        split_variant(v)[0]: [t] for v, t in (("preln", 1000), ("ldm-rls", 2000), ("ldm", 1000))}
+    assert set(tidy["train_steps"]) == {10, 20}
 
 
 def test_a_budget_varied_on_purpose_is_shown_and_compared_within_each_budget(tmp_path, rng_seed):
