@@ -182,7 +182,8 @@ def _comparison_rows(groups: dict[tuple[str, str], list[Run]], keys: list[tuple[
         elif not runs:
             delta_text = "—"
         else:
-            delta_text = fmt_delta(diff, half, 4) + f" ({method})"
+            # One seed on a side already reads "no CI: one seed"; the others name their interval.
+            delta_text = fmt_delta(diff, half, 4) + ("" if math.isnan(half) else f" ({method})")
         shown = {"Setting": setting, "Variant": variant, "Seeds": str(n),
                  "Val loss (95% CI)": fmt_ci(loss, loss_half, n, 4)}
         if with_ppl:
