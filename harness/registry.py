@@ -164,14 +164,21 @@ class Registry(Generic[T]):
         return entry, cfg
 
     def canonical(self, spec: str) -> str:
-        """The spec with knobs in declaration order, defaults omitted: a stable name for tables and run ids."""
+        """The spec with knobs in declaration order, defaults omitted: a stable name for tables and run ids.
+
+        A knob is omitted when leaving it out gives the same config, which also covers a default that follows
+        another knob (a config may fill in such a default in its ``__post_init__``)."""
         entry, cfg = self.config(spec)
-        base = entry.cls.Config(**entry.defaults)
+        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         parts = []
         for key, f in knob_fields(entry.cls.Config).items():
-            value = getattr(cfg, f.name)
-            if value != getattr(base, f.name):
-                parts.append(f"{key}={format_value(value)}")
+            default = entry.defaults.get(f.name, f.default)
+            try:
+                implied = entry.cls.Config(**{**values, f.name: default}) == cfg
+            except ValueError:  # the other knobs need this one as given
+                implied = False
+            if not implied:
+                parts.append(f"{key}={format_value(getattr(cfg, f.name))}")
         return f"{entry.name}({','.join(parts)})" if parts else entry.name
 
     def describe(self) -> list[dict[str, Any]]:
