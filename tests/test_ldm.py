@@ -223,7 +223,7 @@ MIXING_SPECS = [
     "ldm", "ldm-rls", "ldm(groups=4,key_dim=6)", "ldm-rls(groups=1,alpha=0.5,lambda=0.7)",
     "ldm(read=memory)", "ldm-rls(read=memory,groups=4)", "ldm(residual_write=off,groups=4)",
     "ldm-rls(read=memory,residual_write=off,groups=2)", "ldm(read=residual)",
-    "ldm-rls(read=residual,residual_write=off)",
+    "ldm-rls(read=residual)", "ldm(residual_write=off,qk_source=residual,groups=4)", "ldm-rls(qk_source=read)",
 ]
 
 
@@ -275,3 +275,107 @@ def test_costs(spec, floats):
     # The MLP matmuls alone are a floor for the count.
     assert mixer.extra_flops_per_token() > n_mlps * 2 * D * mixer.cfg.qk_hidden
     assert mixer.extra_params() == sum(p.numel() for p in mixer.parameters()) > 0
+
+
+# -- the mixing weights against the definitions, by brute force ---------------------------------------------------
+def _definition_mlp(mlp, x):
+    """``RMSNorm → Linear → SiLU → Linear`` (spec §3) from the module's weights."""
+    xn = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * mlp.norm.weight
+    return F.silu(xn @ mlp.fc1.weight.T + mlp.fc1.bias) @ mlp.fc2.weight.T + mlp.fc2.bias
+
+
+def _definition_forward(model, idx):
+    """Every reader's input and the weights ``c[l, i, g]`` from the definitions of spec §3–§5 and §7, in float64:
+    ``q_lᵀ k_i`` for the outer product, ``ω_i β_{l-1,i} k_iᵀ P_{l-1} q_l`` for RLS with ``P_{l-1}`` the explicit inverse
+    of the weighted, forgotten, ridge key covariance, and the residual's ones. Queries and keys come from ``x_{l-1}``,
+    or with ``qk_source=read`` from the latest read (``a_{l-1}`` for a query, ``a_l`` for layer ``l``'s key)."""
+    mixer, cfg = model.mixer, model.mixer.cfg
+    G, dk, L, d = mixer.G, mixer.dk, model.n_layers, model.cfg.d_model
+    dv = d // G
+    e = model.embed(idx)
+    b, t, _ = e.shape
+    c = torch.zeros(b, t, L + 1, L + 1, G, dtype=torch.float64)
+    memory = torch.zeros_like(c)  # the memory's part of c alone
+    sources, writes, inputs = [e], [], []  # writes: (source, k (b, t, g, k), ω (b, t, g), λ (g,))
+
+    def unit(z):
+        return z / z.norm(dim=-1, keepdim=True)
+
+    def key(n, src):
+        z = _definition_mlp(mixer.keys[n], src)
+        k = unit(z[..., : G * dk].unflatten(-1, (G, dk)))
+        if not mixer.rls:
+            return k, None, None
+        omega = 2 * torch.sigmoid(z[..., G * dk:]) if cfg.omega else torch.ones(b, t, G, dtype=torch.float64)
+        lam = (0.5 + 0.5 * torch.sigmoid(mixer.theta[n]) if cfg.lambda_ == "learned"
+               else torch.full((G,), float(cfg.lambda_), dtype=torch.float64))
+        return k, omega, lam
+
+    x = latest = e
+    if cfg.read == "memory":
+        writes.append((0, *key(0, e)))
+    for reader in range(L + 1):
+        if cfg.read != "memory":
+            c[:, :, reader, 0] = 1.0
+            if cfg.residual_write:
+                c[:, :, reader, 1: reader + 1] = 1.0
+        if writes:
+            q = unit(_definition_mlp(mixer.queries[reader], x if cfg.qk_source == "residual" else latest)
+                     .unflatten(-1, (G, dk)))
+            for g in range(G):
+                for i, (s, k, omega, _) in enumerate(writes):
+                    if not mixer.rls:
+                        memory[:, :, reader, s, g] = (k[..., g, :] * q[..., g, :]).sum(-1)
+                        continue
+                    lams = [w[3][g] for w in writes]
+                    beta = lambda first: torch.prod(torch.stack(lams[first:])) if lams[first:] else 1.0  # noqa: E731
+                    cov = sum(beta(j + 1) * w[2][..., g, None, None] * w[1][..., g, :, None] * w[1][..., g, None, :]
+                              for j, w in enumerate(writes))
+                    P = torch.linalg.inv(cov + beta(0) / cfg.alpha * torch.eye(dk, dtype=torch.float64))
+                    Pq = (P @ q[..., g, :, None])[..., 0]
+                    memory[:, :, reader, s, g] = omega[..., g] * beta(i + 1) * (k[..., g, :] * Pq).sum(-1)
+        c[:, :, reader] += memory[:, :, reader]
+        a = torch.einsum("btsg,btsgv->btgv", c[:, :, reader, : len(sources)],
+                         torch.stack(sources, 2).unflatten(-1, (G, dv))).flatten(-2)
+        inputs.append(a)
+        if reader == L:
+            break
+        v = model.layers[reader](a)
+        key_src = x if cfg.qk_source == "residual" else a
+        writes.append((reader + 1, *key(reader + mixer.embed_write, key_src)))
+        sources.append(v)
+        latest = a
+        if cfg.residual_write:
+            x = x + v
+    return inputs, c, memory
+
+
+WEIGHT_SPECS = [
+    "ldm", "ldm(groups=4,key_dim=8)", "ldm(groups=1,key_dim=8)", "ldm(read=memory,groups=2)",
+    "ldm(residual_write=off,groups=4)", "ldm(residual_write=off,qk_source=residual,groups=4)",
+    "ldm(qk_source=read,groups=8,key_dim=5)",
+    "ldm-rls", "ldm-rls(groups=4,key_dim=8,alpha=0.5)", "ldm-rls(groups=1,key_dim=8,lambda=0.9)",
+    "ldm-rls(read=memory,groups=2,key_dim=6,lambda=0.7)", "ldm-rls(residual_write=off,groups=4,alpha=2.0)",
+    "ldm-rls(qk_source=read,omega=off,groups=8,key_dim=3)", "ldm-rls(read=memory,residual_write=off,groups=4)",
+    "ldm-rls(groups=16,key_dim=6,lambda=0.99)",
+]
+
+
+@pytest.mark.parametrize("spec", WEIGHT_SPECS)
+def test_mixing_weights_equal_the_definitions(spec, rng_seed):
+    model = _model(spec)
+    with torch.no_grad():
+        for p in model.mixer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        _randomize(model.mixer)
+    idx = torch.randint(0, 512, (2, T))
+    trace = Trace()
+    with torch.no_grad():
+        model(idx, trace=trace)
+        c = model.mixer.mixing_matrix(trace)
+        inputs, expected, memory = _definition_forward(model, idx)
+    for reader, (got, want) in enumerate(zip(trace.inputs + [trace.head_input], inputs)):
+        assert _rel(got, want) < 1e-10, f"reader {reader}"
+    assert c.shape == expected.shape
+    assert _rel(c, expected) < 1e-10
+    assert memory.abs().amax(dim=(0, 1)).gt(1e-3).sum() >= model.n_layers  # every reader after the first holds some
