@@ -31,7 +31,7 @@ from torch import nn
 
 from harness.model import RMSNorm
 from harness.registry import format_value, knob
-from variants import ldm_knobs, ldm_rls
+from variants import ldm_costs, ldm_knobs, ldm_rls
 from variants.base import DepthMixer, register
 from variants.ops import dot, rms_scale, unit
 
@@ -466,30 +466,8 @@ class LDM(DepthMixer):
         return self.d_model + self.G * self.dv * self.dk + (self.G * self.dk ** 2 if self.rls else 0)
 
     def extra_flops_per_token(self):
-        """Analytic forward FLOPs per token over PreLN (a multiply-add counts 2).
-
-        Per MLP: norm ≈ 4d, two matmuls 2·d·h + 2·h·o with biases h + o, SiLU ≈ 4h, L2 norm of the output ≈ 3o.
-        Per memory read: M q is 2·G·dv·dk, plus d for adding x. Per outer write: v kᵀ added is 2·G·dv·dk.
-        Per RLS write: √ω scaling G·(dk + dv); P k̄ 2·G·dk²; s 2·G·dk; κ G·dk; M k̄ and u 2·G·dv·dk + d;
-        M += uκᵀ 2·G·dv·dk; P −= (Pk̄)(Pk̄)ᵀ/s then /λ 4·G·dk²; λ and ω themselves are O(G) and left out.
-        """
-        if not self.uses_memory:
-            return 0
-        d, h, G, dv, dk = self.d_model, self.cfg.qk_hidden, self.G, self.dv, self.dk
-
-        def mlp(out: int) -> int:
-            return 4 * d + 2 * d * h + 2 * h * out + h + out + 4 * h + 3 * out
-
-        n_reads = sum(isinstance(m, SmallMLP) for m in self.queries)
-        n_writes = len(self.keys)
-        key_out = G * dk + (G if self.omega_on else 0)
-        read = mlp(G * dk) + 2 * G * dv * dk + d
-        if self.rls:
-            write = mlp(key_out) + G * (dk + dv) + 2 * G * dk * dk + 3 * G * dk + 4 * G * dv * dk + d \
-                + 4 * G * dk * dk
-        else:
-            write = mlp(key_out) + 2 * G * dv * dk
-        return n_reads * read + n_writes * write
+        """Analytic forward FLOPs per token over PreLN for the implementation that runs (``variants/ldm_costs.py``)."""
+        return sum(ldm_costs.flops_per_token(self))
 
 
 register("ldm-rls", defaults={"write": "rls"},
