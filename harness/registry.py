@@ -166,19 +166,21 @@ class Registry(Generic[T]):
     def canonical(self, spec: str) -> str:
         """The spec with knobs in declaration order, defaults omitted: a stable name for tables and run ids.
 
-        A knob is omitted when leaving it out gives the same config, which also covers a default that follows
-        another knob (a config may fill in such a default in its ``__post_init__``)."""
+        A knob is omitted when it has the listed default and leaving it out gives the same config. A default that
+        follows another knob (a config may fill it in its ``__post_init__``) is therefore written out wherever it
+        differs from the listed one, so the name says what runs and reports see every knob's value."""
         entry, cfg = self.config(spec)
+        base = entry.cls.Config(**entry.defaults)
         values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         parts = []
         for key, f in knob_fields(entry.cls.Config).items():
-            default = entry.defaults.get(f.name, f.default)
+            value = getattr(cfg, f.name)
             try:
-                implied = entry.cls.Config(**{**values, f.name: default}) == cfg
+                implied = entry.cls.Config(**{**values, f.name: entry.defaults.get(f.name, f.default)}) == cfg
             except ValueError:  # the other knobs need this one as given
                 implied = False
-            if not implied:
-                parts.append(f"{key}={format_value(getattr(cfg, f.name))}")
+            if value != getattr(base, f.name) or not implied:
+                parts.append(f"{key}={format_value(value)}")
         return f"{entry.name}({','.join(parts)})" if parts else entry.name
 
     def describe(self) -> list[dict[str, Any]]:

@@ -175,12 +175,13 @@ def test_defaults_and_names_round_trip():
 
 def test_qk_source_defaults_to_the_read_without_residual_write():
     """With residual_write=off the residual stays the embedding, so the ablation addresses the memory from the reads
-    unless asked otherwise; names say only what differs from that default."""
+    unless asked otherwise; the canonical name then writes qk_source out, so run ids and tables show what ran."""
     build = variants.build
     assert build("ldm", d_model=64, n_layers=4).cfg.qk_source == "residual"
     assert build("ldm-rls(residual_write=off)", d_model=64, n_layers=4).cfg.qk_source == "read"
     assert build("ldm(residual_write=off,qk_source=residual)", d_model=64, n_layers=4).cfg.qk_source == "residual"
-    assert variants.canonical("ldm(residual_write=off,qk_source=read)") == "ldm(residual_write=off)"
+    for spec in ("ldm(residual_write=off)", "ldm(qk_source=read,residual_write=off)"):
+        assert variants.canonical(spec) == "ldm(residual_write=off,qk_source=read)"
     assert variants.canonical("ldm(qk_source=residual)") == "ldm"
     assert variants.canonical("ldm(qk_source=read)") == "ldm(qk_source=read)"
     name = variants.canonical("ldm-rls(qk_source=residual,residual_write=off,groups=4)")
