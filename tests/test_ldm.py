@@ -244,7 +244,7 @@ def test_mixing_matrix_reproduces_layer_inputs(spec, rng_seed):
 
 
 # -- precision and costs ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", ["ldm", "ldm-rls(read=memory)"])
+@pytest.mark.parametrize("spec", ["ldm", "ldm-rls(read=memory)", "ldm-rls(residual_write=off,groups=4)"])
 def test_memory_math_stays_float32_under_bf16(spec, rng_seed):
     model = build_model(model_preset("tiny"), spec)
     idx = torch.randint(0, 512, (2, T))

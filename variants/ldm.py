@@ -219,7 +219,7 @@ class LDM(DepthMixer):
             None, "what the query and key MLPs read: the residual stream x, or the latest read (a layer's input); "
             "read when residual_write=off", choices=ldm_knobs.QK_SOURCES)
         groups: int = knob(16, "memory groups G, each over d/G channels", allowed="a divisor of d_model")
-        key_dim: int = knob(0, "key width d_k; 0 means d_model / groups",
+        key_dim: int = knob(0, "key width d_k of every group, fixed while groups vary; 0 means d_model / groups",
                             allowed="a positive integer, or 0 for d_model / groups")
         qk_hidden: int = knob(64, "hidden width of the query and key MLPs", allowed="a positive integer")
         lambda_: str | float = knob("learned", "forgetting factor λ (write=rls only)", name="lambda",
