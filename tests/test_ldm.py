@@ -379,3 +379,34 @@ def test_mixing_weights_equal_the_definitions(spec, rng_seed):
     assert c.shape == expected.shape
     assert _rel(c, expected) < 1e-10
     assert memory.abs().amax(dim=(0, 1)).gt(1e-3).sum() >= model.n_layers  # every reader after the first holds some
+
+
+# -- qk_source: what the query and key MLPs read -------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ldm", "ldm-rls"])
+def test_without_residual_write_reads_address_by_context_not_token(name, rng_seed):
+    """With residual_write=off the residual stays the embedding: keys from it are the same for a token wherever it
+    stands, keys from the reads (the default for this ablation) differ with what came before."""
+    idx = torch.randint(0, 512, (1, T))
+    idx[0, 9] = idx[0, 3]
+    idx[0, 4:9] = (idx[0, :5] + 1) % 512  # a different context before the second occurrence
+    keys = {}
+    for qk in ("residual", "read"):
+        model = _model(f"{name}(residual_write=off,qk_source={qk},groups=4)")
+        _randomize(model.mixer)
+        trace = Trace()
+        with torch.no_grad():
+            model(idx, trace=trace)
+        keys[qk] = torch.stack([trace.mixer[("k", layer)][0] for layer in range(1, L)])  # (layers, t, g, k)
+    torch.testing.assert_close(keys["residual"][:, 3], keys["residual"][:, 9], rtol=1e-12, atol=1e-12)
+    assert _rel(keys["read"][:, 9], keys["read"][:, 3]) > 1e-3
+    assert variants.build(f"{name}(residual_write=off)", d_model=D, n_layers=L).cfg.qk_source == "read"
+
+
+def test_qk_source_read_with_residual_write_is_another_model(rng_seed):
+    """qk_source=read also applies with the residual on: same weights, different addresses, different model."""
+    a = _model("ldm-rls(groups=4)")
+    b = _model("ldm-rls(groups=4,qk_source=read)")
+    b.load_state_dict(a.state_dict())
+    idx = torch.randint(0, 512, (2, T))
+    with torch.no_grad():
+        assert _rel(b(idx), a(idx)) > 1e-6
