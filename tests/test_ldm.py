@@ -284,6 +284,11 @@ def _definition_mlp(mlp, x):
     return F.silu(xn @ mlp.fc1.weight.T + mlp.fc1.bias) @ mlp.fc2.weight.T + mlp.fc2.bias
 
 
+def _beta(lambdas: list, first: int):
+    """``Π_{j ≥ first} λ_j`` over the writes so far: ``β_{n,first-1}`` after the last write ``n`` (1 when empty)."""
+    return torch.prod(torch.stack(lambdas[first:])) if lambdas[first:] else 1.0
+
+
 def _definition_forward(model, idx):
     """Every reader's input and the weights ``c[l, i, g]`` from the definitions of spec §3–§5 and §7, in float64:
     ``q_lᵀ k_i`` for the outer product, ``ω_i β_{l-1,i} k_iᵀ P_{l-1} q_l`` for RLS with ``P_{l-1}`` the explicit inverse
@@ -328,12 +333,11 @@ def _definition_forward(model, idx):
                         memory[:, :, reader, s, g] = (k[..., g, :] * q[..., g, :]).sum(-1)
                         continue
                     lams = [w[3][g] for w in writes]
-                    beta = lambda first: torch.prod(torch.stack(lams[first:])) if lams[first:] else 1.0  # noqa: E731
-                    cov = sum(beta(j + 1) * w[2][..., g, None, None] * w[1][..., g, :, None] * w[1][..., g, None, :]
-                              for j, w in enumerate(writes))
-                    P = torch.linalg.inv(cov + beta(0) / cfg.alpha * torch.eye(dk, dtype=torch.float64))
+                    cov = sum(_beta(lams, j + 1) * w[2][..., g, None, None] * w[1][..., g, :, None]
+                              * w[1][..., g, None, :] for j, w in enumerate(writes))
+                    P = torch.linalg.inv(cov + _beta(lams, 0) / cfg.alpha * torch.eye(dk, dtype=torch.float64))
                     Pq = (P @ q[..., g, :, None])[..., 0]
-                    memory[:, :, reader, s, g] = omega[..., g] * beta(i + 1) * (k[..., g, :] * Pq).sum(-1)
+                    memory[:, :, reader, s, g] = omega[..., g] * _beta(lams, i + 1) * (k[..., g, :] * Pq).sum(-1)
         c[:, :, reader] += memory[:, :, reader]
         a = torch.einsum("btsg,btsgv->btgv", c[:, :, reader, : len(sources)],
                          torch.stack(sources, 2).unflatten(-1, (G, dv))).flatten(-2)
