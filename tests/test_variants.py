@@ -207,3 +207,31 @@ def test_listing_names_every_ldm_knob_with_allowed_values_and_default(capsys):
         assert knobs[name]["key_dim"]["default"] == "0" and "d_model / groups" in knobs[name]["key_dim"]["allowed"]
     assert main(["variants"]) == 0
     assert "qk_source" in capsys.readouterr().out
+
+
+def test_canonical_names_write_out_a_default_that_follows_another_knob():
+    """The registry's rule on its own: a knob is left out of the name only where leaving it out gives the same
+    config and its value is the listed default."""
+    from dataclasses import dataclass
+
+    from harness.registry import Registry, knob
+
+    registry = Registry("toy")
+
+    @registry.register("toy")
+    class Toy:
+        @dataclass(frozen=True)
+        class Config:
+            mode: bool = knob(True, "a switch", choices=("on", "off"))
+            follow: str | None = knob(None, "b when mode is on, c when it is off", choices=("b", "c"))
+
+            def __post_init__(self):
+                if self.follow is None:
+                    object.__setattr__(self, "follow", "b" if self.mode else "c")
+
+    assert registry.canonical("toy") == registry.canonical("toy(follow=b)") == "toy"
+    assert registry.canonical("toy(follow=c)") == "toy(follow=c)"
+    for spec in ("toy(mode=off)", "toy(mode=off,follow=c)"):
+        assert registry.canonical(spec) == "toy(mode=off,follow=c)"
+    assert registry.canonical("toy(mode=off,follow=b)") == "toy(mode=off,follow=b)"
+    assert registry.describe()[0]["knobs"][1]["default"] == "b"
