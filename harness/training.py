@@ -142,6 +142,10 @@ def _read_jsonl(path: Path, up_to_step: int) -> list[dict]:
     return records
 
 
+def _plus(value: int | None, more: int) -> int | None:
+    return None if value is None else value + more
+
+
 def _safe_cost(fn) -> Any:
     try:
         return fn()
@@ -559,13 +563,16 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     val_loss = float(measured[-1]["val_loss"]) if measured else None
     val_bpb = float(measured[-1]["val_bpb"]) if measured else None
     mixer = model.mixer
+    from harness.costs import matched_width_cost
+
+    widened_params, widened_flops = matched_width_cost(cfg.model, mixer)  # nonzero only for preln(match=...)
     summary = {
         "val_loss": val_loss, "val_bpb": val_bpb, "val_ppl": math.exp(val_loss) if val_loss is not None else None,
         "step": trainer.global_step, "tokens": trainer.global_step * files.tokens_per_step,
         "train_steps": total, "train_tokens": total * files.tokens_per_step,
-        "params": model.num_params(), "extra_params": _safe_cost(mixer.extra_params),
+        "params": model.num_params(), "extra_params": _plus(_safe_cost(mixer.extra_params), widened_params),
         "stream_floats_per_token": _safe_cost(mixer.stream_floats_per_token),
-        "extra_flops_per_token": _safe_cost(mixer.extra_flops_per_token),
+        "extra_flops_per_token": _plus(_safe_cost(mixer.extra_flops_per_token), widened_flops),
         "tokens_per_s": files.segment_tokens_per_s, "peak_mem_bytes": peak_memory_bytes(), "wall_s": wall,
     }
     if files.depth_stats:
