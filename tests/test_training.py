@@ -230,3 +230,19 @@ def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
     assert cli_main(["train", "--variant", "no-such-mixer", "--out", str(tmp_path / "r")]) == 2
     assert cli_main(["train", "--preset", "tiny", "--out", str(tmp_path / "r"), "--set", "data.corpus=nowhere"]) == 2
     assert "neither an embedded corpus" in capsys.readouterr().err
+
+
+def test_budget_is_the_same_for_every_variant_of_a_size():
+    from harness.costs import preln_params
+    from harness.factory import build_model
+    from harness.training import total_steps
+
+    assert total_steps(tiny(7)) == 7
+    assert total_steps(tiny(0, tokens=1000)) == math.ceil(1000 / (8 * 32))
+    for name in ("preln", "ldm-rls", "hc"):
+        cfg = tiny(0, name, tokens_per_param=0.5)
+        # Counted against PreLN at this size, not against the variant's own (larger) parameter count.
+        assert build_model(cfg.model, name).num_params() >= preln_params(cfg.model)
+        assert total_steps(cfg) == math.ceil(0.5 * build_model(cfg.model, "preln").num_params() / (8 * 32))
+    with pytest.raises(UsageError, match="both fix the budget"):
+        tiny(3, tokens=1000)
