@@ -4,7 +4,7 @@ grid that covers every value of each axis (fixed λ 0.5–1 and learned λ pushe
 key widths 4–64; 1–64 groups; ω near both of its bounds; α 0.1 and 1); and under bf16 autocast, with the state in
 float32, within twice PreLN's own bf16 error on the same input.
 
-Before the margin guard of ``rls.whiten`` the float32 dual form was off by up to 1e6 relative in these cases
+Without the margin guard of ``rls.whiten`` five of these cases fail, the worst with an overflow (inf) in the reads
 (docs/ldm-performance.md)."""
 
 from __future__ import annotations
