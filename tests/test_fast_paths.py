@@ -108,6 +108,36 @@ def test_shared_input_mlps_equal_the_mlps_one_by_one(rng_seed):
     x = torch.randn(2, 5, 64, **F64)
     for got, mlp in zip(ldm_module.shared_input_mlps(x, mlps), mlps):
         torch.testing.assert_close(got, mlp(x), rtol=1e-12, atol=1e-13)
+    # Under autograd the pass is recomputed in backward: gradients for the input and every weight and gain.
+    params = [p for mlp in mlps for p in mlp.parameters()]
+    weights = [torch.randn(2, 5, mlp.fc2.out_features, **F64) for mlp in mlps]
+
+    def grads(outs):
+        return torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), [xg, *params])
+
+    xg = x.clone().requires_grad_(True)
+    got = grads(ldm_module.shared_input_mlps(xg, mlps))
+    want = grads([mlp(xg) for mlp in mlps])
+    for g, w in zip(got, want):
+        assert w.abs().sum() > 0
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
+
+
+def test_depth_read_saves_only_the_query_and_the_writes(rng_seed):
+    """The scores ``k_iᵀ q`` are recomputed in backward: saving them would keep O(L²) tensors over the depth."""
+    n = 5
+    q, *writes = [torch.randn(3, 4, 2, 8, **F64, requires_grad=True) for _ in range(1 + 2 * n)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        m = ldm_module.DepthRead.apply(q, (None,) * n, *writes)
+    assert len(saved) == 1 + 2 * n
+    want = sum(v * (k * q).sum(-1, keepdim=True) for k, v in zip(writes[:n], writes[n:]))
+    weight = torch.randn_like(m)
+    got_grads = torch.autograd.grad((m * weight).sum(), [q, *writes])
+    want_grads = torch.autograd.grad((want * weight).sum(), [q, *writes])
+    torch.testing.assert_close(m, want, rtol=1e-12, atol=1e-13)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls(groups=4)"])

@@ -28,12 +28,13 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from harness.registry import format_value, knob
 from variants import ldm_costs, ldm_knobs, rls
 from variants.base import DepthMixer, register
 from variants.layers import RMSNorm
-from variants.ops import dot, rms_scale, unit
+from variants.ops import _bdot, rms_scale, unit
 
 READS = ("residual+memory", "memory", "residual")
 NORM_EPS = 1e-6  # the mixer does not see the model's norm_eps; the decoder's default
@@ -146,31 +147,35 @@ class DepthRead(torch.autograd.Function):
 
     ``apply(q, grads, *keys, *values)``: ``q`` and keys (b, t, g, k), values (b, t, g, v) -> (b, t, g, v);
     ``grads`` holds one ``WriteGradient`` per write (or None, to return the write's gradient to autograd).
-    Written out by hand so that backward keeps only the writes (which the graph holds anyway) and the per-token
-    scores, and accumulates in place instead of building one temporary per write and operation.
+    Written out by hand so that backward keeps only the query and the writes (which the graph holds anyway), and
+    accumulates in place instead of building one temporary per write and operation. The per-token scores
+    ``k_iᵀ q`` are recomputed in backward rather than saved: saved, they are one (b, t, g) tensor per (read,
+    write) pair, O(L²) over the depth (147 MiB at 48 layers of the ``small`` preset), for one batched product
+    each to recompute.
     """
 
     @staticmethod
     def forward(ctx, q, grads, *writes):
         n = len(writes) // 2
-        scores = [dot(k, q) for k in writes[:n]]  # k_iᵀ q, (b, t, g, 1) each
-        m = scores[0] * writes[n]
-        for z, v in zip(scores[1:], writes[n + 1:]):
-            m.addcmul_(z, v)
+        m = None
+        for k, v in zip(writes[:n], writes[n:]):
+            z = _bdot(k, q)  # k_iᵀ q, (b, t, g, 1)
+            m = z * v if m is None else m.addcmul_(z, v)
         ctx.grads = grads
-        ctx.save_for_backward(q, *scores, *writes)
+        ctx.save_for_backward(q, *writes)
         return m
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dm):
         q, *rest = ctx.saved_tensors
-        n = len(rest) // 3
-        scores, keys, values = rest[:n], rest[n:2 * n], rest[2 * n:]
+        n = len(rest) // 2
+        keys, values = rest[:n], rest[n:]
         dq, dkeys, dvalues = None, [], []
-        for z, k, v, grad in zip(scores, keys, values, ctx.grads):
-            dz = dot(v, dm)  # (b, t, g, 1)
+        for k, v, grad in zip(keys, values, ctx.grads):
+            dz = _bdot(v, dm)  # (b, t, g, 1)
             dq = dz * k if dq is None else dq.addcmul_(dz, k)
+            z = _bdot(k, q)
             if grad is None:
                 dkeys.append(dz * q)
                 dvalues.append(z * dm)
@@ -202,7 +207,18 @@ class SmallMLP(nn.Module):
 
 def shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tensor]:
     """``[mlp(x) for mlp in mlps]``, for MLPs that all read ``x``: one RMS normalization and one first-layer
-    product for all of them, each norm's gain folded into its first layer's weights."""
+    product for all of them, each norm's gain folded into its first layer's weights.
+
+    Under autograd the pass is recomputed in backward instead of keeping its normalized input and hidden layer
+    (three (b, t, d)-sized tensors per layer, the largest share of the mixer's saved memory); ``x`` is held by
+    the residual stream anyway. Recomputation repeats the same operations on the same inputs, so gradients are
+    unchanged."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for m in mlps for p in m.parameters())):
+        return list(checkpoint(_shared_input_mlps, x, mlps, use_reentrant=False))
+    return _shared_input_mlps(x, mlps)
+
+
+def _shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tensor]:
     dt = x.dtype
     xn = x * rms_scale(x, NORM_EPS)
     w1 = torch.cat([m.fc1.weight.to(dt) * m.norm.weight.to(dt) for m in mlps])
