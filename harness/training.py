@@ -36,7 +36,7 @@ from harness import data as datalib
 from harness import rundir
 from harness.config import RunConfig
 from harness.errors import RunFailed, UsageError
-from harness.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from harness.io import append_bytes, atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_path
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
@@ -112,10 +112,11 @@ def peak_memory_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def _csv_text(columns: list[str], rows: list[dict]) -> str:
+def _csv_text(columns: list[str], rows: list[dict], header: bool = True) -> str:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
+    if header:
+        writer.writeheader()
     for row in rows:
         writer.writerow({k: "" if row.get(k) is None else row[k] for k in columns})
     return buf.getvalue()
@@ -125,8 +126,37 @@ def _read_rows(path: Path, up_to_step: int) -> list[dict]:
     """Rows of an earlier segment of this run, up to the step it is resumed from."""
     if not path.exists():
         return []
-    with open(path, newline="") as f:
-        return [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= up_to_step]
+    text = path.read_text()
+    if not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]  # a line whose append never finished is not a row
+    return [r for r in csv.DictReader(io.StringIO(text, newline=""))
+            if r.get("step") and None not in r and None not in r.values() and int(r["step"]) <= up_to_step]
+
+
+class CsvLog:
+    """A CSV file that grows by appended lines: cost per row independent of the run's length.
+
+    ``rows`` are those kept from an earlier segment of the run. The first ``add`` rewrites the file atomically
+    with them, which drops every row a killed segment wrote after its last checkpoint (exact truncation on
+    resume); later rows are appended whole, one line per ``write``.
+    """
+
+    def __init__(self, path: Path, columns: list[str], rows: list[dict]):
+        self.path, self.columns, self.rows = path, columns, rows
+        self._fresh = True
+
+    def add(self, rows: list[dict]) -> None:
+        self.rows.extend(rows)
+        if self._fresh:
+            atomic_write_text(self.path, _csv_text(self.columns, self.rows))
+            self._fresh = False
+        else:
+            append_bytes(self.path, _csv_text(self.columns, rows, header=False).encode("utf-8"))
+
+    def sync(self) -> None:
+        """Make the rows appended so far durable (before a checkpoint that vouches for them)."""
+        if not self._fresh and self.path.exists():
+            fsync_path(self.path)
 
 
 def _safe_cost(fn) -> Any:
@@ -271,8 +301,11 @@ class RunFiles(pl.Callback):
 
     def __init__(self, cfg: RunConfig, run_dir: Path, ckpt_path: Path, resume_step: int, plain_logs: bool):
         self.cfg, self.run_dir, self.ckpt_path, self.plain_logs = cfg, run_dir, ckpt_path, plain_logs
-        self.metrics = _read_rows(run_dir / "metrics.csv", resume_step)
-        self.layers = _read_rows(run_dir / "layers.csv", resume_step)
+        self.metrics_log = CsvLog(run_dir / "metrics.csv", METRICS_COLUMNS, _read_rows(run_dir / "metrics.csv",
+                                                                                       resume_step))
+        self.layers_log = CsvLog(run_dir / "layers.csv", LAYERS_COLUMNS, _read_rows(run_dir / "layers.csv",
+                                                                                    resume_step))
+        self.metrics = self.metrics_log.rows
         self.tokens_per_step = cfg.train.batch_size * seq_len_of(cfg)
         self.last_loss: float | None = None
         self._mark = (time.time(), resume_step)
@@ -289,17 +322,15 @@ class RunFiles(pl.Callback):
 
             _, trace = traced_forward(module.model, module.val_windows[:4, :-1].to(module.device))
             grads = module.step_layer_grads if step else None
-            for l, s in enumerate(layer_stats(module.model, trace)):
-                self.layers.append({"step": step, **s, "grad_norm": None if grads is None else grads[l]})
-            atomic_write_text(self.run_dir / "layers.csv", _csv_text(LAYERS_COLUMNS, self.layers))
+            self.layers_log.add([{"step": step, **s, "grad_norm": None if grads is None else grads[l]}
+                                 for l, s in enumerate(layer_stats(module.model, trace))])
 
     def _write_row(self, trainer, row: dict) -> None:
         if not trainer.is_global_zero:
             return
-        self.metrics.append(row)
+        self.metrics_log.add([row])
         for logger in trainer.loggers:  # TensorBoard or W&B, when asked for
             logger.log_metrics({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
-        atomic_write_text(self.run_dir / "metrics.csv", _csv_text(METRICS_COLUMNS, self.metrics))
         rundir.write_status(self.run_dir, "running", step=row["step"], last_loss=self.last_loss,
                             message=f"training, step {row['step']} of {trainer.lightning_module.total}")
         if self.plain_logs:
@@ -331,7 +362,7 @@ class RunFiles(pl.Callback):
                 self._validate(trainer, module, step, row)
             self._write_row(trainer, row)
         if module.diverged is None and (step % t.ckpt_every_steps == 0 or step == module.total):
-            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+            self._checkpoint(trainer)
         if step == module.total:
             self.segment_tokens_per_s = ((step - self._segment[1]) * self.tokens_per_step
                                          / max(time.time() - self._segment[0], 1e-9))
@@ -341,7 +372,13 @@ class RunFiles(pl.Callback):
 
         # Lightning stops on SIGTERM between two steps, so the state is consistent and worth keeping.
         if isinstance(exception, SIGTERMException) and module.diverged is None:
-            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+            self._checkpoint(trainer)
+
+    def _checkpoint(self, trainer) -> None:
+        # The rows up to this step must be on disk before a checkpoint that resumes past them is.
+        self.metrics_log.sync()
+        self.layers_log.sync()
+        trainer.save_checkpoint(self.ckpt_path, weights_only=False)
 
 
 def _cluster_environment():
