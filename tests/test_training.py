@@ -200,3 +200,15 @@ def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
     assert cli_main(["train", "--variant", "no-such-mixer", "--out", str(tmp_path / "r")]) == 2
     assert cli_main(["train", "--preset", "tiny", "--out", str(tmp_path / "r"), "--set", "data.corpus=nowhere"]) == 2
     assert "neither an embedded corpus" in capsys.readouterr().err
+
+
+def test_global_grad_norm_matches_the_float64_norm(rng_seed):
+    from harness.training import global_grad_norm
+
+    grads = [torch.randn(3 * 4096 + 17), torch.randn(64, 96) * 1e-3, torch.randn(5), torch.randn(2, 4096) * 50]
+    exact = float(torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads])))
+    assert global_grad_norm(grads) == pytest.approx(exact, rel=1e-6)
+    as64 = [g.double() for g in grads]
+    assert global_grad_norm(as64) == pytest.approx(exact, rel=1e-13)
+    assert global_grad_norm([g.bfloat16() for g in grads]) == pytest.approx(
+        float(torch.linalg.vector_norm(torch.cat([g.bfloat16().double().flatten() for g in grads]))), rel=1e-5)
