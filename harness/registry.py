@@ -126,6 +126,9 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is registered twice")
         if self.base is not None and not issubclass(cls, self.base):
             raise TypeError(f"{cls.__name__} must subclass {self.base.__name__}")
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:
+            raise TypeError(f"{cls.__name__} cannot be registered as {name!r}: it does not implement {', '.join(missing)}")
         defaults = dict(defaults or {})
         unknown = set(defaults) - {f.name for f in dataclasses.fields(cls.Config)}
         if unknown:
