@@ -64,6 +64,10 @@ def add_parser(sub):
     p.add_argument("--out", default="results/bench", help="folder for bench.csv and the plot")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny preset, one depth, one repeat (explicit flags still win)")
+    p.add_argument("--no-references", action="store_true",
+                   help="skip timing each variant against the straightforward implementation of its own math")
+    p.add_argument("--require-quiet", action="store_true",
+                   help="refuse to start on a busy machine, and write nothing if it became busy (reference numbers)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
     loop = p.add_argument_group("training loop (--loop)")
     loop.add_argument("--loop", action="store_true",
@@ -115,7 +119,8 @@ def run(args) -> int:
     settings.update({k: v for k, v in given.items() if v is not None})
     settings.update(variants=args.variants, widths=_int_list("--widths", args.widths), device=args.device,
                     dtype=args.dtype, vocab=args.vocab, threads=args.threads, steps_per_repeat=args.steps_per_repeat,
-                    seed=args.seed, out_dir=args.out)
+                    seed=args.seed, out_dir=args.out, references=not args.no_references,
+                    require_quiet=args.require_quiet)
     if args.dry_run:
         settings["variants"] = B.resolve_variants(args.variants)
         for key, value in settings.items():
@@ -128,8 +133,12 @@ def run(args) -> int:
           f"batch {meta['batch_size']}, vocab {meta['vocab_size']}, repeats {meta['repeats']} "
           f"(median; ratio against the mean of the two preln steps around each), warm-up {meta['warmup']}; "
           f"load average {meta['loadavg_before']} -> {meta['loadavg_after']} on {meta['cpu_count']} CPUs")
+    if meta["busy"]:
+        print("BUSY: other work competed for the cores during this run (load average above); its ratios are "
+              "guidance, not reference numbers")
     print(f"memory: {meta['memory_method']}; floor_time_ratio = 1 + extra FLOPs / model FLOPs per token; "
-          f"state_B_per_tok = stream floats x 4 bytes")
+          f"state_B_per_tok = stream floats x 4 bytes; ratio_*_vs_ref = this implementation over the "
+          f"straightforward one of the same math (ref_impl; preln: the plain pre-norm trunk)")
     print(B.format_table(df))
     print()
     for line in B.scaling_lines(B.scaling(df)):
