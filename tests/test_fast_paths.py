@@ -126,8 +126,8 @@ def test_collected_write_gradients_survive_a_second_backward(spec, rng_seed):
     assert any(n.startswith("mixer.keys") for n in once)
 
 
-@pytest.mark.parametrize("spec", ["attnres"])
-def test_depth_attention_fast_path_equals_reference_values_and_gradients(spec, rng_seed):
+@pytest.mark.parametrize("spec", ["attnres", "attnres-block", "attnres-block(block_size=3)", "denseformer"])
+def test_depth_mixers_fast_path_equals_reference_values_and_gradients(spec, rng_seed):
     fast, reference = _model_pair(spec)
     assert fast.mixer.impl == "fused"
     idx, targets = torch.randint(0, 512, (2, 12)), torch.randint(0, 512, (2, 12))
