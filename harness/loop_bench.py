@@ -88,7 +88,7 @@ def bare_loop(cfg, steps: int) -> float:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
         sched.step()
-        float(loss)  # the loop reads its loss once per step, as any loop that reports one does
+        float(loss.detach())  # the loop reads its loss once per step, as any loop that reports one does
     return time.perf_counter() - start
 
 

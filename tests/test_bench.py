@@ -263,3 +263,16 @@ def test_variant_list_keeps_knob_commas_together():
     from harness.commands.bench import _variant_list
 
     assert _variant_list("ldm-rls(groups=4,lambda=1.0),hc, preln") == ["ldm-rls(groups=4,lambda=1.0)", "hc", "preln"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "2"], "--steps must be an integer of at least 3"),
+    (["--val-every", "0"], "--val-every"),
+    (["--seq", "128,256"], "one sequence length"),
+    (["--variants", "no-such-mixer"], "Known"),
+])
+def test_loop_bench_bad_settings_exit_2_before_training(argv, words, capsys, tmp_path):
+    assert main(["bench", "--loop", "--preset", "tiny", "--out", str(tmp_path / "loop"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+    assert not (tmp_path / "loop").exists()
