@@ -77,6 +77,17 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def _top_level(body: str) -> list[str]:
+    """``body`` split at the commas outside parentheses, so a knob's value may itself be a name with knobs."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(body):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(body[start:i])
+            start = i + 1
+    return parts + [body[start:]]
+
+
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """Split ``name(k=v,k=v)`` into the name and the knob texts."""
     m = _SPEC.match(spec or "")
@@ -85,7 +96,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     name, body = m.group(1), m.group(2)
     knobs: dict[str, str] = {}
     if body and body.strip():
-        for part in body.split(","):
+        for part in _top_level(body):
             if "=" not in part:
                 raise UsageError(f"Cannot read {part.strip()!r} in {spec!r}: write each knob as knob=value.")
             k, v = (s.strip() for s in part.split("=", 1))
@@ -167,13 +178,22 @@ class Registry(Generic[T]):
         return entry, cfg
 
     def canonical(self, spec: str) -> str:
-        """The spec with knobs in declaration order, defaults omitted: a stable name for tables and run ids."""
+        """The spec with knobs in declaration order, defaults omitted: a stable name for tables and run ids.
+
+        A knob is omitted when it has the listed default and leaving it out gives the same config. A default that
+        follows another knob (a config may fill it in its ``__post_init__``) is therefore written out wherever it
+        differs from the listed one, so the name says what runs and reports see every knob's value."""
         entry, cfg = self.config(spec)
         base = entry.cls.Config(**entry.defaults)
+        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         parts = []
         for key, f in knob_fields(entry.cls.Config).items():
             value = getattr(cfg, f.name)
-            if value != getattr(base, f.name):
+            try:
+                implied = entry.cls.Config(**{**values, f.name: entry.defaults.get(f.name, f.default)}) == cfg
+            except ValueError:  # the other knobs need this one as given
+                implied = False
+            if value != getattr(base, f.name) or not implied:
                 parts.append(f"{key}={format_value(value)}")
         return f"{entry.name}({','.join(parts)})" if parts else entry.name
 
