@@ -2,10 +2,10 @@
 
 ``evaluate(run_dir_or_ckpt, tasks)`` loads any checkpoint of any variant, runs the named tasks through
 ``lm_eval.simple_evaluate`` with the ``depthmem`` model, and writes lm-eval's full results JSON
-(``eval/results_<iso-time>.json``) and a flat table (``eval/table.csv``: task, metric, value, stderr) into the run
-directory. Names from the offline suite (``offline``, ``offline_*``; see ``harness.tasks``) read benchmark data
-shipped on disk and never touch the network; any other name is looked up among lm-eval's stock tasks, which
-download their data from the Hugging Face hub.
+(``eval/results_<iso-time>.json``), a flat table (``eval/table.csv``: task, metric, value, stderr) and the task
+names asked for with their limit (``eval/tasks.json``) into the run directory. Names from the offline suite
+(``offline``, ``offline_*``; see ``harness.tasks``) read benchmark data shipped on disk and never touch the network;
+any other name is looked up among lm-eval's stock tasks, which download their data from the Hugging Face hub.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from harness.errors import UsageError, did_you_mean
-from harness.io import atomic_write_text, writable_dir
+from harness.io import atomic_write_json, atomic_write_text, read_json, writable_dir
 from harness.tasks import KNOWN_NAMES, SUITE, TASKS_DIR, is_offline_name
 
 TABLE_COLUMNS = ("task", "metric", "value", "stderr")
@@ -118,7 +118,11 @@ def evaluate(run_dir_or_ckpt: str | os.PathLike, tasks: str | Iterable[str], *, 
     results = run_tasks(lm, names, limit=limit, bootstrap_iters=bootstrap_iters, metadata=metadata)
     results["config"]["model_args"] = {"checkpoint": str(path.resolve()), "batch_size": batch_size,
                                        "device": str(lm.device)}
-    write_results(results, out)
+    results_path, _ = write_results(results, out)
+    # What was asked and with which limit, so a sweep that later asks for one more task evaluates only that one.
+    record = read_json(out / "tasks.json", default={}) or {}
+    record.update({name: {"limit": limit, "results": results_path.name} for name in names})
+    atomic_write_json(out / "tasks.json", record)
     return results
 
 

@@ -278,6 +278,7 @@ class RunFiles(pl.Callback):
         self._mark = (time.time(), resume_step)
         self.segment_tokens_per_s: float | None = None
         self._segment = (time.time(), resume_step)
+        self.ckpt_step = resume_step
 
     def _validate(self, trainer, module, step: int, row: dict) -> None:
         if not self.cfg.train.val_batches:
@@ -331,17 +332,25 @@ class RunFiles(pl.Callback):
                 self._validate(trainer, module, step, row)
             self._write_row(trainer, row)
         if module.diverged is None and (step % t.ckpt_every_steps == 0 or step == module.total):
-            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+            self._save(trainer, step)
         if step == module.total:
             self.segment_tokens_per_s = ((step - self._segment[1]) * self.tokens_per_step
                                          / max(time.time() - self._segment[0], 1e-9))
 
+    def _save(self, trainer, step: int) -> None:
+        trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+        self.ckpt_step = step
+        if trainer.is_global_zero:  # what status shows as the step a stopped run resumes from
+            rundir.write_status(self.run_dir, rundir.read_status(self.run_dir).get("state", "running"),
+                                ckpt_step=step)
+
     def on_exception(self, trainer, module, exception):
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        # Lightning stops on SIGTERM between two steps, so the state is consistent and worth keeping.
-        if isinstance(exception, SIGTERMException) and module.diverged is None:
-            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+        # Lightning stops on SIGTERM and Ctrl-C between two steps, so the state is consistent and worth keeping.
+        stopped = isinstance(exception, (SIGTERMException, KeyboardInterrupt))
+        if stopped and module.diverged is None and trainer.global_step > self.ckpt_step:
+            self._save(trainer, trainer.global_step)
 
 
 def _cluster_environment():
@@ -512,13 +521,22 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     except BaseException as e:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+        # Lightning turns Ctrl-C into a graceful stop and then SystemExit; a signal is an interruption, not a failure.
+        signal_name = ("SIGTERM" if isinstance(e, SIGTERMException)
+                       else "Ctrl-C" if isinstance(e, KeyboardInterrupt) or trainer.interrupted else None)
         if rank0:
-            stopped = "stopped by SIGTERM" if isinstance(e, SIGTERMException) else f"failed: {type(e).__name__}: {e}"
-            rundir.write_status(run_dir, "failed", step=trainer.global_step, last_loss=files.last_loss,
-                                message=f"{stopped}; run the same command again to resume from the last checkpoint")
-        if isinstance(e, SIGTERMException):
-            raise RunFailed(f"Training was stopped by SIGTERM at step {trainer.global_step}; run the same command "
-                            "again to resume from the last checkpoint.") from None
+            if signal_name:
+                rundir.write_status(run_dir, "interrupted", step=trainer.global_step, last_loss=files.last_loss,
+                                    ckpt_step=files.ckpt_step,
+                                    message=f"stopped by {signal_name} at step {trainer.global_step}; the last "
+                                            f"checkpoint is at step {files.ckpt_step}")
+            else:
+                rundir.write_status(run_dir, "failed", step=trainer.global_step, last_loss=files.last_loss,
+                                    message=f"failed: {type(e).__name__}: {e}; run the same command again to "
+                                            f"resume from the last checkpoint (step {files.ckpt_step})")
+        if signal_name:
+            raise RunFailed(f"Training was stopped by {signal_name} at step {trainer.global_step}; run the same "
+                            f"command again to resume from step {files.ckpt_step}.") from None
         raise
     if module.diverged is not None:
         d = module.diverged

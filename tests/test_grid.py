@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import textwrap
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from harness.cli import main
 from harness.errors import UsageError
 from harness.grid import combinations, expand, load_grid, nest, parse_grid
-from harness.rundir import run_id
+from harness.rundir import run_id, short_value
 from harness.dispatch import check_executor, load_profile, plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,15 +84,52 @@ def test_ids_are_stable_readable_and_distinct(tmp_path, rng_seed):
     first = expand(load_grid(path))
     again = expand(load_grid(path))
     assert [r.run_id for r in first] == [r.run_id for r in again]
-    assert all(r.run_id == run_id(r.cfg) for r in first)
+    assert all(r.run_id == run_id(r.cfg, r.overrides) for r in first)
     assert len({r.run_id for r in first}) == 4
-    assert first[0].run_id.startswith("preln-") and first[0].run_id.endswith("-s0")
-    assert first[2].run_id.startswith("ldm-rls-groups-4-")
-    # a different learning rate is a different run, the seed alone changes only the suffix
+    assert re.fullmatch(r"preln-s0-[0-9a-f]{8}", first[0].run_id)
+    assert first[2].run_id.startswith("ldm-rls-groups-4-s0-")
+    # a different learning rate is a different run, the seed alone changes only its part of the id
     other = expand(grid_of({"base": {"model": {"preset": "tiny"}, "train.lr": lr * 2}, "axes": {"train.seed": [0]}}))
     assert other[0].run_id != first[0].run_id
-    assert first[0].run_id.rsplit("-", 1)[0] == first[1].run_id.rsplit("-", 1)[0]
+    assert first[0].run_id.replace("-s0-", "-s1-") == first[1].run_id
     assert all(r.cfg.name == "ids" for r in first)
+
+
+def test_ids_carry_the_axis_values(rng_seed):
+    rnd = random.Random(rng_seed)
+    lrs = [3e-3, round(rnd.uniform(1.1, 9.9), 1) * 1e-4]
+    runs = expand(grid_of({"base": BASE, "axes": {"variant": ["ldm-rls", "preln"], "train.lr": lrs,
+                                                  "train.seed": [0]}}))
+    ids = [r.run_id for r in runs]
+    assert ids[0].startswith("ldm-rls-lr3e-3-s0-")
+    assert ids[1].startswith(f"ldm-rls-lr{lrs[1] * 1e4:g}e-4-s0-")
+    # two runs of one variant with different lr never read alike
+    assert ids[0].split("-s0-")[0] != ids[1].split("-s0-")[0]
+    assert short_value(0.5) == "0.5" and short_value(1e-3) == "1e-3" and short_value("/data/fine/") == "fine"
+
+
+def test_identity_ignores_what_does_not_change_the_trained_model(rng_seed):
+    """Evaluation, loggers, intervals, process layout and profile leave the id alone; what trains a different
+    model changes it."""
+    rnd = random.Random(rng_seed)
+    base = {"model": {"preset": "tiny"}, "train": {"lr": 1e-3, "max_steps": 5}}
+    ref = expand(grid_of({"base": base}))[0].run_id
+    same = [{"eval": {"tasks": ["offline_arc_easy"], "limit": rnd.randint(1, 50)}},
+            {"train": {"logger": "wandb"}}, {"train": {"logger": "tensorboard", "log_every_steps": 3}},
+            {"train": {"val_every_steps": rnd.randint(2, 9), "ckpt_every_steps": rnd.randint(2, 9)}},
+            {"train": {"devices": 2, "num_nodes": 2, "strategy": "ddp"}},
+            {"slurm": {"partition": "gpu", "time_min": 5}}, {"data": {"cache_dir": "/tmp/elsewhere"}}]
+    for extra in same:
+        got = expand(grid_of({"base": {**base, **{k: {**base.get(k, {}), **v} for k, v in extra.items()}}}))[0]
+        assert got.run_id == ref, extra
+    changed = [{"train": {"lr": 2e-3}}, {"train": {"max_steps": 6}}, {"train": {"precision": "bf16-mixed"}},
+               {"train": {"batch_size": 4}}, {"model": {"d_model": 32}}, {"data": {"val_fraction": 0.1}},
+               {"variant": "ldm"}]
+    for extra in changed:
+        layer = {k: ({**base.get(k, {}), **v} if isinstance(v, dict) else v) for k, v in extra.items()}
+        assert expand(grid_of({"base": {**base, **layer}}))[0].run_id != ref, extra
+    # profiles differ only in resources and layout: the same ids
+    assert expand(grid_of({"base": base}), defaults=load_profile("local").config_layer())[0].run_id == ref
 
 
 def test_profile_sets_resources_and_ddp_layout(tmp_path):
