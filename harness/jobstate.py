@@ -179,7 +179,8 @@ def reconcile(sweep_dir: Path, rid: str, job_id: str | None, executor: str | Non
            "job_id": job_id or status.get("job_id"), "node": status.get("node"),
            "reason": (status.get("message") or "") if state in ("failed", "diverged", "interrupted", "cancelled")
            else "", "message": status.get("message") or "", "attempts": status.get("attempts"),
-           "resume_step": resume_step, "job_active": False, "job_state": None}
+           "resume_step": resume_step, "total_steps": status.get("total_steps"), "eta_s": status.get("eta_s"),
+           "job_active": False, "job_state": None}
     cancelled = status.get("cancelled")
     if job_id and executor == "slurm":
         job = (info if info is not None else slurm_info([job_id])).get(str(job_id))

@@ -106,14 +106,18 @@ def check_executor(executor: str, profile: Profile) -> None:
 
 
 def plan(grid_file: str | Path, *, executor: str | None = None, profile: str | None = None,
-         root: str | Path | None = None, retry_failed: bool = False, parallelism: int | None = None) -> Plan:
+         root: str | Path | None = None, retry_failed: bool = False, parallelism: int | None = None,
+         overrides: list[str] | None = None) -> Plan:
     """Expand and validate a grid and decide, run by run, what a submission would do (submits nothing).
 
-    Reading the runs' states records, as failed or cancelled, runs whose jobs were stopped from outside.
+    ``overrides`` (``["train.max_steps=200"]``) change the grid's base. Reading the runs' states records, as
+    failed or cancelled, runs whose jobs were stopped from outside.
     """
     if executor is not None and executor not in EXECUTORS:
         raise UsageError(f"Unknown executor {executor!r}; allowed: {', '.join(EXECUTORS)}.")
     grid = load_grid(grid_file)
+    if overrides:
+        grid.base = {**grid.base, **_dotlist(overrides, grid)}
     prof = load_profile(profile or grid.profile)
     runs = expand(grid, defaults=prof.config_layer())
     sweep_dir = Path(root or default_root()) / grid.name
@@ -142,6 +146,20 @@ def plan(grid_file: str | Path, *, executor: str | None = None, profile: str | N
         else:
             p.decisions[r.run_id] = "submit"
     return p
+
+
+def _dotlist(overrides: list[str], grid: Grid) -> dict[str, Any]:
+    import yaml
+
+    varied = axis_keys(grid)
+    out = {}
+    for item in overrides:
+        key, _, text = item.partition("=")
+        if key in varied:
+            raise UsageError(f"{key} is an axis of {grid.source}; change its values in the grid file, not with "
+                             f"{item!r}.")
+        out[key] = yaml.safe_load(text) if text else ""
+    return out
 
 
 @contextlib.contextmanager
@@ -212,7 +230,8 @@ class Submission:
 
 def sweep(grid_file: str | Path, *, executor: str | None = None, profile: str | None = None,
           root: str | Path | None = None, retry_failed: bool = False, wait: bool | None = None,
-          parallelism: int | None = None, poll_s: float = 2.0, log=print, yes: bool = False) -> Submission:
+          parallelism: int | None = None, poll_s: float = 2.0, log=print, yes: bool = False,
+          overrides: list[str] | None = None) -> Submission:
     """Submit a grid's unfinished runs as job arrays; with ``wait`` (default: local only) block until they end.
 
     A cluster grid (its profile says ``executor: slurm``) run here with more than a handful of runs needs
@@ -221,7 +240,7 @@ def sweep(grid_file: str | Path, *, executor: str | None = None, profile: str | 
     import filelock
 
     p = plan(grid_file, executor=executor, profile=profile, root=root, retry_failed=retry_failed,
-             parallelism=parallelism)
+             parallelism=parallelism, overrides=overrides)
     if p.warnings:
         raise UsageError(f"Cannot submit {p.grid.source}: {p.warnings[0]}")
     check_executor(p.executor, p.profile)
@@ -241,7 +260,7 @@ def sweep(grid_file: str | Path, *, executor: str | None = None, profile: str | 
     try:
         # The lock is held, so the decisions are made again now that no other submission can change them.
         p = plan(grid_file, executor=p.executor, profile=profile, root=root, retry_failed=retry_failed,
-                 parallelism=parallelism)
+                 parallelism=parallelism, overrides=overrides)
         _migrate(p, log)
         sub = Submission(p)
         _announce(p, log)
