@@ -513,7 +513,43 @@ def _loggers(cfg: RunConfig, run_dir: Path) -> list:
     else:
         return []
     logger.log_hyperparams(cfg.to_dict())
+    if t.logger == "tensorboard":
+        _tensorboard_hparams(logger, cfg)
     return [logger]
+
+
+def _tensorboard_hparams(logger, cfg: RunConfig) -> None:
+    """The config in TensorBoard's HParams view, paired with the val_loss curve the run logs (Lightning writes
+    it only together with a placeholder metric)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if rank_zero_only.rank != 0:
+        return
+    from torch.utils.tensorboard.summary import hparams
+
+    writer = logger.experiment._get_file_writer()
+    for summary in hparams(_flatten(cfg.to_dict()), {"val_loss": 0.0}):
+        writer.add_summary(summary)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """``{"train": {"lr": 1e-3}}`` as ``{"train/lr": 1e-3}``; lists and None as text, which HParams takes."""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out
+
+
+def _finish_tracking(cfg: RunConfig, rank0: bool, *, failed: bool) -> None:
+    """Close the W&B run, so its record (offline: the run file) is complete before the job goes on or ends."""
+    if cfg.train.logger == "wandb" and rank0:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish(exit_code=1 if failed else 0)
 
 
 def _check_run_dir(run_dir: Path) -> None:
@@ -633,6 +669,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         trainer.fit(module, train_dataloaders=loader, ckpt_path=str(resume_from) if resume_from else None,
                     weights_only=True)
     except BaseException as e:
+        _finish_tracking(cfg, rank0, failed=True)
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         # Lightning turns Ctrl-C into a graceful stop and then SystemExit; a signal is an interruption, not a failure.
@@ -652,6 +689,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
             raise RunFailed(f"Training was stopped by {signal_name} at step {trainer.global_step}; run the same "
                             f"command again to resume from step {files.ckpt_step}.") from None
         raise
+    _finish_tracking(cfg, rank0, failed=module.diverged is not None)
     if module.diverged is not None:
         d = module.diverged
         kept = f"the last good checkpoint is {ckpt_path}" if ckpt_path.exists() else "no checkpoint was saved yet"
