@@ -85,11 +85,31 @@ def run_tasks(lm, tasks: str | Iterable[str], *, limit: int | float | None = Non
     manager = task_manager(names, metadata)
     import lm_eval
 
-    results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
-                                      bootstrap_iters=bootstrap_iters, log_samples=False, cache_requests=False)
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                                          bootstrap_iters=bootstrap_iters, log_samples=False, cache_requests=False)
+    except Exception as e:
+        twins = [n for n in names if f"{SUITE}_{n}" in KNOWN_NAMES]
+        if twins and _is_network_error(e):
+            raise UsageError(f"lm-eval could not fetch {', '.join(twins)} from the Hugging Face hub "
+                             f"({type(e).__name__}); the offline twin{'s' if len(twins) > 1 else ''} "
+                             f"{', '.join(f'{SUITE}_{n}' for n in twins)} read the same benchmark from disk.") \
+                from None
+        raise
     if results is None:  # only rank 0 gets results; a single process is always rank 0
         raise UsageError("lm-eval returned no results: run the evaluation in a single process.")
     return results
+
+
+def _is_network_error(e: BaseException) -> bool:
+    """A failure to reach the hub: connection errors, or the hub's offline-mode refusals."""
+    while e is not None:
+        words = f"{type(e).__name__} {e}"
+        if isinstance(e, ConnectionError) or any(w in words for w in (
+                "Connection", "Offline", "offline mode", "huggingface.co", "LocalEntryNotFound", "Couldn't reach")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _check_shakespeare() -> None:
@@ -118,6 +138,7 @@ def evaluate(run_dir_or_ckpt: str | os.PathLike, tasks: str | Iterable[str], *, 
     results = run_tasks(lm, names, limit=limit, bootstrap_iters=bootstrap_iters, metadata=metadata)
     results["config"]["model_args"] = {"checkpoint": str(path.resolve()), "batch_size": batch_size,
                                        "device": str(lm.device)}
+    results["config"]["device"] = str(lm.device)  # where it ran, not what was asked for
     results_path, _ = write_results(results, out)
     # What was asked and with which limit, so a sweep that later asks for one more task evaluates only that one.
     record = read_json(out / "tasks.json", default={}) or {}

@@ -249,3 +249,71 @@ def test_dry_run_lists_runs_and_resources_and_writes_nothing(tmp_path, capsys):
     assert out.count("submit") == 4 and "partition=debug" in out and "at most 2 at a time" in out
     assert not (tmp_path / "r").exists()
     assert os.listdir(tmp_path) == ["grid.yaml"]
+
+
+def test_a_cluster_profile_submits_to_slurm_by_default_and_a_big_local_run_asks(tmp_path, monkeypatch):
+    from harness.submit import sweep
+
+    assert plan(ROOT / "experiments" / "paper.yaml", root=tmp_path).executor == "slurm"
+    assert plan(ROOT / "experiments" / "quickstart.yaml", root=tmp_path).executor == "local"
+    prof = write(tmp_path, "executor: slurm\npartition: debug\n", "cluster.yaml")
+    path = write(tmp_path, f"name: big\nprofile: {prof}\nbase: {{model: {{preset: tiny}}}}\n"
+                           "axes: {train.seed: [0, 1, 2, 3, 4]}\n")
+    msg = expect_error("add --yes to run them here", sweep, path, executor="local", root=tmp_path / "r",
+                       log=lambda _: None)
+    assert "5 runs would train on this machine" in msg
+    assert not (tmp_path / "r" / "big").exists()
+
+
+def test_dry_run_for_slurm_checks_sbatch(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, "name: dry\nbase: {model: {preset: tiny}}\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["sweep", str(path), "--dry-run", "--executor", "slurm", "--results", str(tmp_path / "r")]) == 2
+    assert "needs sbatch on PATH" in capsys.readouterr().err
+
+
+def test_key_value_overrides_change_the_base_but_not_an_axis(tmp_path, capsys):
+    path = write(tmp_path, "name: kv\nbase: {model: {preset: tiny}}\naxes: {train.seed: [0, 1]}\n")
+    p = plan(path, root=tmp_path / "r", overrides=["train.max_steps=7", "train.lr=0.002"])
+    assert {(r.cfg.train.max_steps, r.cfg.train.lr) for r in p.runs} == {(7, 0.002)}
+    expect_error("train.seed is an axis", plan, path, root=tmp_path / "r", overrides=["train.seed=3"])
+    assert main(["sweep", str(path), "train.max_steps=9", "--set", "train.warmup_steps=2", "--dry-run",
+                 "--results", str(tmp_path / "r")]) == 0
+    assert main(["sweep", str(path), "train.max_steps", "--dry-run", "--results", str(tmp_path / "r")]) == 2
+    assert "needs the form KEY=VALUE" in capsys.readouterr().err
+
+
+def test_version_and_subcommand_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("depthmem ")
+    with pytest.raises(SystemExit) as e:
+        main(["status", "x", "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: depthmem status") and "--bogus" in err
+
+
+def test_old_run_folders_are_renamed_to_the_new_ids(tmp_path):
+    """A sweep run before ids carried axis values: its folders are found and renamed on the next submission."""
+    import json
+
+    from harness.rundir import legacy_run_id, write_config, write_status
+    from harness.submit import _migrate
+
+    path = write(tmp_path, "name: old\nbase: {model: {preset: tiny}}\naxes: {train.lr: [1.0e-3, 2.0e-3]}\n")
+    root = tmp_path / "r"
+    first = plan(path, root=root)
+    for r in first.runs:
+        old = root / "old" / legacy_run_id(r.cfg)
+        write_config(old, r.cfg)
+        write_status(old, "done", step=5)
+        (old / "summary.json").write_text("{}")
+    (root / "old" / "sweep.json").write_text(json.dumps({"runs": [
+        {"run_id": legacy_run_id(r.cfg), "overrides": r.overrides} for r in first.runs]}))
+    p = plan(path, root=root)
+    assert set(p.decisions.values()) == {"done"} and set(p.migrations) == {r.run_id for r in p.runs}
+    lines = []
+    _migrate(p, lines.append)
+    assert all((root / "old" / r.run_id / "summary.json").exists() for r in p.runs)
+    assert "renamed 2 run folder(s)" in lines[0]
+    assert not plan(path, root=root).migrations

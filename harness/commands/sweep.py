@@ -64,7 +64,8 @@ def run(args) -> int:
         p = plan(args.grid, executor=args.executor, profile=args.profile, root=args.results,
                  retry_failed=args.retry_failed, parallelism=args.parallelism, overrides=overrides)
         print(describe_plan(p))
-        check_executor(p.executor, p.profile)
+        if args.executor == "slurm":  # asked for explicitly: can this machine submit it, and is the partition known?
+            check_executor(p.executor, p.profile)
         return 0
     sub = sweep(args.grid, executor=args.executor, profile=args.profile, root=args.results,
                 retry_failed=args.retry_failed, wait=args.wait, parallelism=args.parallelism, yes=args.yes,
