@@ -256,7 +256,11 @@ def test_dry_run_lists_runs_and_resources_and_writes_nothing(tmp_path, capsys):
 def test_a_cluster_profile_submits_to_slurm_by_default_and_a_big_local_run_asks(tmp_path, monkeypatch):
     from harness.submit import sweep
 
-    assert plan(ROOT / "experiments" / "paper.yaml", root=tmp_path).executor == "slurm"
+    assert load_profile("gpu-cluster").executor == "slurm" and load_grid(ROOT / "experiments" / "paper.yaml").profile \
+        == "gpu-cluster"
+    on_cluster = write(tmp_path, "name: c\nprofile: gpu-cluster\nbase: {model: {preset: tiny}}\n", "c.yaml")
+    assert plan(on_cluster, root=tmp_path).executor == "slurm"
+    assert plan(on_cluster, root=tmp_path, executor="local").executor == "local"
     assert plan(ROOT / "experiments" / "quickstart.yaml", root=tmp_path).executor == "local"
     prof = write(tmp_path, "executor: slurm\npartition: debug\n", "cluster.yaml")
     path = write(tmp_path, f"name: big\nprofile: {prof}\nbase: {{model: {{preset: tiny}}}}\n"
