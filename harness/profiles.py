@@ -79,7 +79,8 @@ def load_profile(name_or_path: str | None) -> Profile:
     known = [f.name for f in dataclasses.fields(Profile) if f.name != "name"]
     for key in data:
         if key not in known:
-            raise UsageError(f"Unknown key {key!r} in the profile {path}.{did_you_mean(key, known)} Allowed keys: {', '.join(known)}.")
+            raise UsageError(f"Unknown key {key!r} in the profile {path}.{did_you_mean(key, known)} "
+                             f"Allowed keys: {', '.join(known)}.")
     data.setdefault("setup", [])
     if not isinstance(data["setup"], list):
         raise UsageError(f"setup in the profile {path} must be a list of shell lines.")

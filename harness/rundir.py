@@ -61,8 +61,8 @@ def _canonical_variant(spec: str) -> str:
 # Batches are keyed by (seed, step) and the global batch is split over processes, so neither the intervals nor
 # the layout changes a step's update.
 NOT_IDENTITY = {"name": None, "slurm": None, "eval": None,
-                "train": ("logger", "wandb_project", "log_every_steps", "val_every_steps", "ckpt_every_steps", "devices", "num_nodes",
-                          "strategy"),
+                "train": ("logger", "wandb_project", "log_every_steps", "val_every_steps", "ckpt_every_steps",
+                          "devices", "num_nodes", "strategy"),
                 "data": ("cache_dir",)}
 
 

@@ -294,7 +294,7 @@ def _migrate(p: Plan, log) -> None:
     if not p.migrations:
         return
     rows = {r["run_id"]: r for r in run_rows(p.sweep_dir, read_json(p.sweep_dir / "sweep.json") or {})}
-    for new, old in p.migrations.items():
+    for old in p.migrations.values():
         if rows.get(old, {}).get("job_active"):
             raise UsageError(f"The run folder {old} still has a job running under the earlier id scheme; wait "
                              f"for it to end (depthmem status {p.grid.name}) and submit again.")

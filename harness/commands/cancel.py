@@ -9,7 +9,8 @@ def add_parser(sub):
                                    "each run's process group is stopped) and mark its runs cancelled; the same "
                                    "`depthmem sweep FILE` later resumes them from their checkpoints.")
     p.add_argument("sweep", metavar="SWEEP", help="sweep name (results/<name>) or grid file")
-    p.add_argument("--results", "--results-dir", dest="results", metavar="DIR", help="results root (default: $DEPTHMEM_RESULTS or ./results)")
+    p.add_argument("--results", "--results-dir", dest="results", metavar="DIR",
+                   help="results root (default: $DEPTHMEM_RESULTS or ./results)")
     return p
 
 
