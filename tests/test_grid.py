@@ -323,3 +323,19 @@ def test_old_run_folders_are_renamed_to_the_new_ids(tmp_path):
     assert all((root / "old" / r.run_id / "summary.json").exists() for r in p.runs)
     assert "renamed 2 run folder(s)" in lines[0]
     assert not plan(path, root=root).migrations
+
+
+def test_no_controller_is_one_sentence(tmp_path, monkeypatch):
+    # The shared cluster cannot be stopped for a test: stand-ins answer as sbatch and sinfo do when no
+    # slurmctld runs (the message is sinfo's own).
+    for name, body in (("sbatch", "exit 0"), ("sinfo", "echo 'slurm_load_partitions: Unable to contact slurm "
+                                                      "controller (connect failure)' >&2; exit 1")):
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    from harness.errors import DepthmemError
+
+    with pytest.raises(DepthmemError) as info:
+        check_executor("slurm", load_profile("local"))
+    text = str(info.value)
+    assert text.startswith("No SLURM controller answers") and "Unable to contact" in text and "\n" not in text
