@@ -170,6 +170,12 @@ def test_cancel_stops_a_running_sweep_and_marks_its_runs_cancelled(tmp_path, cap
     while (read_status(root / "long" / rid).get("ckpt_step") or 0) < 3:  # cancel it mid-training
         assert time.time() < deadline and not job.done(), "the run never started training"
         time.sleep(0.2)
+    # while it trains, status shows steps done of the total and an ETA
+    from harness.commands.status import table
+
+    live = sweep_status("long", root)[0]
+    assert live["state"] == "running" and live["total_steps"] == 100000 and live["eta_s"] > 0
+    assert "/100000, eta " in table([live])
     assert main(["cancel", "long", "--results", str(root)]) == 0
     out = capsys.readouterr().out
     assert f"cancelled 1 run(s): {rid}" in out and f"depthmem sweep {grid}" in out
