@@ -149,3 +149,20 @@ def test_terminal_shows_a_step_bar_with_val_loss(tmp_path):
     out = _cli_train_in_a_terminal(tmp_path)
     assert "train" in out and "4/4" in out and "val_loss" in out
     assert "Epoch 0/-2" not in out and "litlogger" not in out and "depthmem: step" not in out
+
+
+def test_a_finished_run_is_the_same_run_under_another_logger_or_eval_tasks(tmp_path, capsys):
+    """What only watches or evaluates a run is not part of its identity: the run directory is reused as it is."""
+    cfg = tiny("csv")
+    run = train(cfg, tmp_path / "run")
+    ckpt = (run / "ckpt" / "last.ckpt").stat().st_mtime_ns
+    other = build_config(cfg.to_dict(), {"train": {"logger": "tensorboard", "log_every_steps": 1},
+                                         "eval": {"tasks": ["offline_copa"]}})
+    assert train(other, run) == run
+    assert "already done" in capsys.readouterr().out
+    assert (run / "ckpt" / "last.ckpt").stat().st_mtime_ns == ckpt
+    changed = build_config(cfg.to_dict(), {"train": {"lr": cfg.train.lr * 2}})
+    from harness.errors import UsageError
+
+    with pytest.raises(UsageError, match="different config"):
+        train(changed, run)
