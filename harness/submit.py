@@ -471,10 +471,19 @@ def _wait(p: Plan, jobs: dict[str, Any], poll_s: float) -> None:
 
 def describe_plan(p: Plan) -> str:
     """The dry-run text: every run with its grid values and decision, then the resources each job asks for."""
-    rows = [{"run_id": r.run_id, **{k: r.overrides.get(k, "") for k in p.axes}, "action": p.decisions.get(r.run_id)}
+    from harness.budget import tokens_per_step, train_steps
+
+    rows = [{"run_id": r.run_id, **{k: r.overrides.get(k, "") for k in p.axes}, "steps": train_steps(r.cfg),
+             "tokens": train_steps(r.cfg) * tokens_per_step(r.cfg), "action": p.decisions.get(r.run_id)}
             for r in p.runs]
     lines = [f"sweep {p.grid.name}: {len(p.runs)} run(s) in {p.sweep_dir}",
-             format_rows(rows, ["run_id", *p.axes, "action"])]
+             format_rows(rows, ["run_id", *p.axes, "steps", "tokens", "action"])]
+    budgets = sorted({(row["steps"], row["tokens"]) for row in rows})
+    if len(budgets) == 1:
+        lines.append(f"budget: every run trains {budgets[0][0]:,} steps on {budgets[0][1]:,} tokens")
+    else:
+        lines.append(f"budget: the runs train on {len(budgets)} different budgets, from {budgets[0][1]:,} to "
+                     f"{budgets[-1][1]:,} tokens (the grid varies the budget or the model size)")
     pr = p.profile
     res = (f"resources ({p.executor}, profile {pr.name}): partition={pr.partition or '(default)'} "
            f"account={pr.account or '-'} qos={pr.qos or '-'} time={pr.time_min}min nodes={pr.nodes} "
