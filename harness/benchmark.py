@@ -20,7 +20,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -302,7 +302,8 @@ def _determines(runs: list[Run], a: str, b: str) -> bool:
 
 def axis_slice(sweep: Sweep, axis: str) -> tuple[pd.DataFrame, dict]:
     """Finished runs along ``axis`` with every other axis it does not determine held at its most common value:
-    one row per run with the axis value, variant, seed and final loss, and the values held fixed."""
+    one row per run with the axis value, variant, seed and final loss (variants with at least two values of the
+    axis), and the values held fixed."""
     finished = sweep.finished()
     held = {}
     for other in sweep.axis_keys:
@@ -313,7 +314,9 @@ def axis_slice(sweep: Sweep, axis: str) -> tuple[pd.DataFrame, dict]:
         held[other] = next(r.axes.get(other) for r in finished if repr(r.axes.get(other)) == top)
     rows = [{"x": float(r.axes[axis]), "variant": r.variant, "seed": r.seed, "loss": r.final_loss}
             for r in finished if all(r.axes.get(k) == v for k, v in held.items())]
-    return pd.DataFrame(rows, columns=["x", "variant", "seed", "loss"]), held
+    frame = pd.DataFrame(rows, columns=["x", "variant", "seed", "loss"])
+    spread = frame.groupby("variant")["x"].nunique()
+    return frame[frame["variant"].isin(spread[spread >= 2].index)].reset_index(drop=True), held
 
 
 def _lines_with_intervals(ax, frame: pd.DataFrame, colours: dict[str, str], baseline: str) -> None:

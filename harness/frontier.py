@@ -144,8 +144,9 @@ def analyse(points: pd.DataFrame, baseline: str, *, budget_text: str = "", resam
     """Fits, multipliers and bootstrap intervals for the frontier ``points`` (one row per run)."""
     empty = pd.DataFrame()
     if points.empty:
-        return Frontier(points, empty, empty, baseline, budget_text, "no finished run trained at a tokens-per-parameter "
-                        "budget (train.max_steps 0) with params and tokens in its summary.json")
+        return Frontier(points, empty, empty, baseline, budget_text,
+                        "no finished run trained at a tokens-per-parameter budget (train.max_steps 0) with params and "
+                        "tokens in its summary.json")
     cells = _cells(points)
     fits = []
     for variant, sub in cells.groupby("variant", sort=False):
@@ -162,46 +163,62 @@ def analyse(points: pd.DataFrame, baseline: str, *, budget_text: str = "", resam
     if point is None:
         return Frontier(points, fits, empty, baseline, budget_text,
                         f"{baseline}'s fitted loss does not fall with compute, so it cannot be inverted")
-    seeds = sorted(points["seed"].unique())
-    by_cell = {k: dict(zip(g["seed"], g["loss"])) for k, g in points.groupby(["variant", "size"])}
-    draws: list[dict[tuple[str, str], float]] = []
-    if len(seeds) >= 2:
-        rng = np.random.default_rng(seed)
-        base = cells.set_index(["variant", "size"])
-        for _ in range(resamples):
-            chosen = rng.choice(seeds, size=len(seeds), replace=True)
-            losses = []
-            for key in base.index:
-                values = [by_cell[key][s] for s in chosen if s in by_cell[key]]
-                losses.append(np.mean(values) if values else math.nan)
-            if any(math.isnan(v) for v in losses):
-                continue
-            resampled = base.assign(loss=losses).reset_index()
-            m = _multipliers(resampled, baseline)
-            if m is not None:
-                draws.append(m)
+    keys = list(zip(cells["variant"], cells["size"]))
+    draws = _bootstrap(points, cells, keys, baseline, resamples, seed)  # (resamples, cells), NaN rows dropped
     rows = []
-    variants = [v for v in dict.fromkeys(cells["variant"]) if v != baseline]
-    for variant in variants:
-        sub = cells[cells["variant"] == variant]
-        keys = list(zip(sub["variant"], sub["size"]))
-        per_size = [(k, row) for k, row in zip(keys, sub.itertuples())]
-        for key, row in per_size:
-            lo, hi = _interval([d[key] for d in draws])
-            rows.append({"variant": variant, "setting": row.setting, "params": row.params, "seeds": int(row.seeds),
-                         "flops": row.flops, "loss": row.loss, "multiplier": point[key], "low": lo, "high": hi})
-        lo, hi = _interval([_geomean([d[k] for k in keys]) for d in draws])
-        rows.append({"variant": variant, "setting": "", "params": math.nan, "seeds": int(sub["seeds"].min()),
-                     "flops": math.nan, "loss": float(sub["loss"].mean()),
-                     "multiplier": _geomean([point[k] for k in keys]), "low": lo, "high": hi})
+    for variant in [v for v in dict.fromkeys(cells["variant"]) if v != baseline]:
+        idx = [i for i, k in enumerate(keys) if k[0] == variant]
+        for i in idx:
+            row = cells.iloc[i]
+            lo, hi = _interval(draws[:, i])
+            rows.append({"variant": variant, "setting": row["setting"], "params": row["params"],
+                         "seeds": int(row["seeds"]), "flops": row["flops"], "loss": row["loss"],
+                         "multiplier": point[keys[i]], "low": lo, "high": hi})
+        if len(idx) < 2:
+            continue
+        lo, hi = _interval(np.exp(np.log(draws[:, idx]).mean(axis=1)))
+        rows.append({"variant": variant, "setting": "", "params": math.nan,
+                     "seeds": int(cells["seeds"].iloc[idx].min()), "flops": math.nan, "loss": math.nan,
+                     "multiplier": _geomean([point[keys[i]] for i in idx]), "low": lo, "high": hi})
     multipliers = pd.DataFrame(rows, columns=["variant", "setting", "params", "seeds", "flops", "loss", "multiplier",
                                               "low", "high"])
     reason = "" if not multipliers.empty else f"no variant besides {baseline} is on the frontier"
     return Frontier(points, fits, multipliers, baseline, budget_text, reason)
 
 
-def _interval(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if math.isfinite(v)]
+def _bootstrap(points: pd.DataFrame, cells: pd.DataFrame, keys: list[tuple[str, str]], baseline: str,
+               resamples: int, seed: int) -> np.ndarray:
+    """Multipliers of every cell in each bootstrap resample of the seeds, one row per usable resample.
+
+    A resample draws the seed labels with replacement; a cell's mean is over its runs weighted by how often their
+    seed was drawn. Resamples in which a cell has none of its seeds, or the baseline's law does not fall with
+    compute, are dropped.
+    """
+    seeds = sorted(points["seed"].unique())
+    if len(seeds) < 2 or resamples < 1:
+        return np.empty((0, len(keys)))
+    by_cell = {k: dict(zip(g["seed"], g["loss"])) for k, g in points.groupby(["variant", "size"])}
+    values = np.array([[by_cell[k].get(s, np.nan) for s in seeds] for k in keys])  # (cells, seeds)
+    present = ~np.isnan(values)
+    counts = np.random.default_rng(seed).multinomial(len(seeds), [1 / len(seeds)] * len(seeds), size=resamples)
+    weight = counts @ present.T  # (resamples, cells)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = (counts @ np.where(present, values, 0.0).T) / weight
+    ref = [i for i, k in enumerate(keys) if k[0] == baseline]
+    x = np.log(cells["flops"].to_numpy(dtype=np.float64))
+    xr = x[ref] - x[ref].mean()
+    yr = np.log(means[:, ref])
+    slope = (yr - yr.mean(axis=1, keepdims=True)) @ xr / (xr @ xr)
+    intercept = yr.mean(axis=1) - slope * x[ref].mean()
+    ok = (weight > 0).all(axis=1) & (slope < 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        need = (intercept[:, None] - np.log(means)) / -slope[:, None]  # log of the baseline's compute for the loss
+    return np.exp(need - x[None, :])[ok]
+
+
+def _interval(values) -> tuple[float, float]:
+    values = np.asarray(values, dtype=np.float64)
+    values = values[np.isfinite(values)]
     if len(values) < 2:
         return math.nan, math.nan
     lo, hi = np.percentile(values, [2.5, 97.5])

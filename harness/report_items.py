@@ -11,8 +11,9 @@ table's numbers (``ctx.table("main")``) reuses the table instead of computing it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 
@@ -29,7 +30,7 @@ class Item:
 
     name: str
     kind: str  # "table" or "figure"
-    fn: Callable[["Context"], Any]
+    fn: Callable[[Context], Any]
     needs: str
     """What the run directories must hold for it, in words (listed in docs/report.md)."""
     always: bool = False

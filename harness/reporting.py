@@ -20,10 +20,10 @@ import pandas as pd
 from harness import figures as figs
 from harness import report_items
 from harness import tables as tabs
-from harness.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
 from harness.config import read_yaml
 from harness.errors import UsageError, did_you_mean
 from harness.io import atomic_write_text, writable_dir
+from harness.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
 
 TABLES = report_items.names("table")
 FIGURES = report_items.names("figure")
@@ -135,6 +135,8 @@ def _state_line(sweep: Sweep) -> str:
     counts = Counter(r.state for r in sweep.runs)
     parts = ", ".join(f"{counts[s]} {s}" for s in sorted(counts))
     n = len(sweep.finished())
+    if n == len(sweep.runs):
+        return f"{n} run directories ({parts}); every one enters the averages."
     counted = f"{n} finished run enters" if n == 1 else f"{n} finished runs enter"
     return (f"{len(sweep.runs)} run directories ({parts}); {counted} the averages, the others are listed under "
             "*Runs not counted in any average*.")

@@ -316,7 +316,7 @@ def _typed(values: pd.Series) -> pd.Series:
             raise ValueError
         [float(v) for v in present]
     except (TypeError, ValueError):
-        return values.map(lambda v: "" if _missing(v) else format_value(v)).astype(object)
+        return values.map(lambda v: "" if _missing(v) else format_value(v)).astype(str)
     numbers = pd.to_numeric(values.map(lambda v: None if _missing(v) else float(v)), errors="coerce")
     whole = all(isinstance(v, int) or (isinstance(v, str) and v.strip().lstrip("+-").isdigit()) for v in present)
     return numbers.astype("Int64" if whole else "float64")

@@ -229,8 +229,9 @@ def test_aggregate_is_one_tidy_row_per_run_step_metric(sweep_tree):
     assert not tidy.duplicated(["run_dir", "source", "task", "step", "metric"]).any()
     groups4 = tidy[tidy["variant"] == split_variant("ldm-rls(groups=4)")[0]]
     assert set(groups4["base"]) == {"ldm-rls"} and set(groups4["knob_groups"]) == {4}
-    assert str(tidy["knob_groups"].dtype) == "Int64" and set(tidy["knob_omega"].dropna()) == {"on", "off"}
-    assert str(tidy["train_tokens"].dtype) == "Int64" and set(tidy.loc[tidy["state"] == "done", "train_tokens"].dropna()) == {40000}
+    assert str(tidy["knob_groups"].dtype) == "Int64" and set(tidy["knob_omega"]) - {""} == {"on", "off"}
+    done = tidy[tidy["state"] == "done"]
+    assert str(tidy["train_tokens"].dtype) == "Int64" and set(done["train_tokens"].dropna()) == {40000}
     assert set(groups4["knobs"]) == {"groups=4"} and set(groups4["preset"]) == {"tiny"}
     # val_loss is blank on odd rows of metrics.csv: 3 of 5 steps for a finished run.
     curve = groups4[(groups4["source"] == "train") & (groups4["metric"] == "val_loss") & (groups4["seed"] == 0)]
@@ -263,8 +264,9 @@ def test_every_figure_is_written_with_its_panels(sweep_tree):
     fig, _ = figs.mixing_matrices(ctx)
     assert sorted(ax.get_title() for ax in fig.axes if ax.get_title()) == sorted(with_mixing)
     # One colour scale: every heatmap's colour limits are the same.
-    limits = {tuple(round(v, 12) for v in coll.get_clim()) for ax in fig.axes for coll in ax.collections}
-    assert len(limits) == 1
+    limits = {tuple(round(v, 12) for v in coll.get_clim()) for ax in fig.axes for coll in ax.collections
+              if coll.get_array() is not None and None not in coll.get_clim()}
+    assert len(limits) == 1 and len([ax for ax in fig.axes if ax.get_title()]) == len(with_mixing)
     fig, _ = figs.ablation_grid(ctx)
     assert len([ax for ax in fig.axes if ax.get_title().startswith("ω")]) == 2  # omega on (default) and off
     fig, _ = figs.layer_profiles(ctx)
