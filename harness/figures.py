@@ -394,8 +394,10 @@ def frontier(ctx: Context) -> tuple[Figure, str]:
 
     result = ctx.cached("frontier", lambda: fr.from_sweep(ctx.sweep, ctx.baseline))
     points = result.points
-    if points.empty or points.groupby("variant")["size"].nunique().max() < 2:
-        raise NoData(result.reason or "fewer than two model sizes at one tokens-per-parameter budget")
+    if points.empty:
+        raise NoData(result.reason)
+    if points.groupby("variant")["size"].nunique().max() < 2:
+        raise NoData("no variant has two model sizes at one tokens-per-parameter budget")
     fits = result.fits.set_index("variant") if not result.fits.empty else pd.DataFrame()
     with sns.axes_style("whitegrid"):
         fig, axes = _figure(1, panel_size=(5.6, 4.0))
@@ -653,6 +655,8 @@ def downstream(ctx: Context) -> tuple[Figure, str]:
                             color=ctx.colours.get(variant, "black"))
             ax.set_yticks(range(len(data)), labels if task == panels[0] else [""] * len(data))
             ax.invert_yaxis()
+            low, high = ax.get_xlim()
+            ax.set_xlim(max(low, 0.0), min(high, 100.0))  # an interval past 0% or 100% says nothing more
             ax.set(xlabel="accuracy (%)", title=task)
     caption = ("Downstream accuracy in percent (acc_norm where the task reports it, else acc) with its 95% interval: "
                "the t-interval over seeds where a variant has two or more, else 1.96 × lm-eval's standard error.")

@@ -384,7 +384,7 @@ def cost_table(ctx: Context) -> Table:
                      "memory column.")
     if shared_rows:
         notes.append("Tokens/s marked (shared cores) comes from runs that trained while other work used the same "
-                     "CPU cores (load average above the cores available), so it is no measure of the variant's "
+                     "CPU cores (its threads and the runnable tasks sampled at every logged step outnumbered the cores), so it is no measure of the variant's "
                      "cost and gets no ratio.")
     return Table("cost", "Cost relative to the baseline", data, display, notes)
 
@@ -503,13 +503,13 @@ _NUMERIC_CELL = re.compile(r"^[-+−]?(\d[\d.,]*|—)")
 
 
 def column_alignment(display: pd.DataFrame) -> str:
-    """``r`` for a column whose every cell begins with a number (or a dash for none), ``l`` for text."""
+    """``r`` for a column of numbers (at least half its cells begin with one; the rest are dashes or words such
+    as ``reference``), ``l`` for text."""
     spec = ""
     for col in display.columns:
         cells = [str(v) for v in display[col]]
-        numeric = bool(cells) and all(_NUMERIC_CELL.match(c) for c in cells) and \
-            any(c[:1].isdigit() or c[1:2].isdigit() for c in cells)
-        spec += "r" if numeric else "l"
+        numbers = sum(bool(_NUMERIC_CELL.match(c)) and any(ch.isdigit() for ch in c[:2]) for c in cells)
+        spec += "r" if cells and 2 * numbers >= len(cells) else "l"
     return spec
 
 
