@@ -162,7 +162,7 @@ def final_loss(ctx: Context) -> tuple[Figure, str]:
 
 
 KNOB_LABELS = {"write": "memory write", "read": "read", "residual_write": "residual write",
-               "qk_source": "q/k source", "qk_input": "q/k source", "groups": "groups G", "key_dim": "key width d_k",
+               "qk_source": "q/k source", "groups": "groups G", "key_dim": "key width d_k",
                "qk_hidden": "q/k MLP width", "lambda": "forgetting λ", "omega": "importance ω", "alpha": "ridge α"}
 
 
@@ -179,7 +179,8 @@ def _by_seed(runs: list[Run]) -> dict[int, float]:
 
 
 def ablation_comparisons(ctx: Context) -> tuple[pd.DataFrame, str, str]:
-    """Each variant that shares the reference's knobs against the reference: the knobs it changes, and Δ final
+    """Each variant that shares the reference's knobs against the reference: the knobs it changes (``axis``,
+    joined by `` + `` where it changes several), and Δ final
     loss with its interval from ``harness.stats.compare`` (paired over shared seeds). Returns the rows, the
     reference and the setting compared in."""
     reference = split_variant(ctx.ablation_reference)[0]
@@ -202,8 +203,7 @@ def ablation_comparisons(ctx: Context) -> tuple[pd.DataFrame, str, str]:
         if not changed:
             continue
         c = compare(reference_losses, _by_seed(runs))
-        axis = next(iter(changed)) if len(changed) == 1 else "several knobs"
-        rows.append({"variant": variant, "axis": axis,
+        rows.append({"variant": variant, "axis": " + ".join(changed),
                      "value": ", ".join(f"{k}={v}" for k, v in changed.items()) if len(changed) > 1
                      else str(next(iter(changed.values()))),
                      "delta": c.delta, "low": c.low, "high": c.high, "method": c.method, "n": c.n})
@@ -216,12 +216,11 @@ def ablation_comparisons(ctx: Context) -> tuple[pd.DataFrame, str, str]:
 def ablations(ctx: Context) -> tuple[Figure, str]:
     """Every ablation axis the sweep varies (read, residual write, q/k source, groups, key width, λ, ω, the memory
     write, ...), one panel per knob: Δ final loss of each value against `report.ablation_reference` with its
-    paired 95% interval; variants that change several knobs share a last panel."""
+    paired 95% interval; a variant that changes several knobs at once gets a panel for that combination."""
     frame, reference, shown = ablation_comparisons(ctx)
-    axes_order = [a for a in dict.fromkeys(frame["axis"]) if a != "several knobs"]
-    axes_order = sorted(axes_order, key=lambda a: (list(KNOB_LABELS).index(a) if a in KNOB_LABELS else 99, a))
-    if "several knobs" in set(frame["axis"]):
-        axes_order.append("several knobs")
+    rank = {k: i for i, k in enumerate(KNOB_LABELS)}
+    axes_order = sorted(dict.fromkeys(frame["axis"]),
+                        key=lambda a: (a.count(" + "), [rank.get(k, 99) for k in a.split(" + ")], a))
     tallest = frame.groupby("axis").size().max()
     with sns.axes_style("whitegrid"):
         fig, axes = _figure(len(axes_order), ncols=min(len(axes_order), 4), panel_size=(3.6, 0.5 * tallest + 1.4))
@@ -235,7 +234,7 @@ def ablations(ctx: Context) -> tuple[Figure, str]:
             ax.axvline(0.0, color="0.3", lw=0.8, ls="--")
             ax.set_yticks(range(len(sub)), sub["value"])
             ax.invert_yaxis()
-            ax.set(xlabel=f"Δ loss vs {reference}", title=knob_label(axis) if axis != "several knobs" else axis)
+            ax.set(xlabel=f"Δ loss vs {reference}", title=" + ".join(knob_label(k) for k in axis.split(" + ")))
     methods = sorted(set(frame["method"]))
     caption = (f"Ablations against {reference}, one panel per knob the sweep changes: "
                f"Δ final validation loss (variant − {reference}; negative is better) with its 95% interval: "

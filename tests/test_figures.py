@@ -32,7 +32,8 @@ EXTRA_FLOPS = {"preln": 0, "ldm-rls": 9000, "ldm": 7000}
 WIDTHS = (32, 48, 64, 96)
 DEPTHS = (1, 2, 4)
 ABLATIONS = ("ldm", "ldm-rls(groups=4)", "ldm-rls(omega=off)", "ldm-rls(lambda=1.0)", "ldm-rls(read=memory)",
-             "ldm-rls(residual_write=off)", "ldm-rls(groups=4,omega=off)")
+             "ldm-rls(qk_source=read)", "ldm-rls(key_dim=8)", "ldm-rls(residual_write=off)",
+             "ldm-rls(groups=4,omega=off)")
 GROUPS = 4
 
 
@@ -243,7 +244,9 @@ def test_per_group_mixing_shares_one_colour_scale(study):
 def test_ablations_figure_has_every_axis_with_paired_intervals(study):
     frame, reference, _ = figs.ablation_comparisons(_ctx(study))
     assert reference == "ldm-rls"
-    assert set(frame["axis"]) == {"write", "groups", "omega", "lambda", "read", "residual_write", "several knobs"}
+    # One axis per knob; residual_write=off also reads its queries and keys from the read (qk_source=read).
+    assert set(frame["axis"]) == {"write", "groups", "omega", "lambda", "read", "qk_source", "key_dim",
+                                  "residual_write + qk_source", "groups + omega"}
     ref = {s: study["summaries"][("ldm-rls", 64, 2, s)]["val_loss"] for s in SEEDS}
     for variant in ("ldm-rls(groups=4)", "ldm"):
         row = frame.set_index("variant").loc[split_variant(variant)[0]]
@@ -253,7 +256,8 @@ def test_ablations_figure_has_every_axis_with_paired_intervals(study):
         assert row["method"] == "paired t"
         assert (row["low"], row["high"]) == pytest.approx((ci.low, ci.high), rel=1e-9)
     fig, _ = figs.ablations(_ctx(study))
-    assert len([ax for ax in fig.axes if ax.get_title()]) == 7
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert len(titles) == 9 and titles[-1] == "groups G + importance ω" and "q/k source" in titles
     # The reference follows report.ablation_reference, as the table does.
     frame, reference, _ = figs.ablation_comparisons(_ctx(study, ablation_reference="ldm-rls(groups=4)"))
     assert reference == "ldm-rls(groups=4)"
