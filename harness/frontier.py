@@ -25,9 +25,9 @@ from harness.results import Run, Sweep, split_variant
 
 BOOTSTRAP = 2000
 MIN_SIZES = 3
-# Config keys that a point on the frontier may change: the model's size, and the steps its budget implies.
-_FREE = ("model.", "variant", "train.seed", "name", "data.cache_dir", "eval.", "slurm.", "train.logger",
-         "train.max_steps")
+# Config keys that a point on the frontier may change: the model's size, and the steps and tokens its budget gives.
+_FREE_PREFIXES = ("model.", "eval.", "slurm.")
+_FREE_KEYS = {"variant", "train.seed", "name", "data.cache_dir", "train.logger", "train.max_steps", "train.tokens"}
 
 
 @dataclass
@@ -73,7 +73,7 @@ def training_flops(run: Run) -> float | None:
 def _budget_key(run: Run) -> str:
     from harness.results import _flatten
 
-    flat = {k: v for k, v in _flatten(run.config).items() if not k.startswith(_FREE)}
+    flat = {k: v for k, v in _flatten(run.config).items() if k not in _FREE_KEYS and not k.startswith(_FREE_PREFIXES)}
     return json.dumps(flat, sort_keys=True, default=str)
 
 
@@ -82,7 +82,7 @@ def frontier_points(sweep: Sweep) -> tuple[pd.DataFrame, str, list[str]]:
     rows, left_out = [], []
     for run in sweep.finished():
         if int(run.config_value("train.max_steps", 0) or 0) != 0:
-            continue
+            continue  # a budget in steps, not per parameter
         flops = training_flops(run)
         params = (run.summary or {}).get("params")
         if flops is None or not isinstance(params, (int, float)):
@@ -100,7 +100,7 @@ def frontier_points(sweep: Sweep) -> tuple[pd.DataFrame, str, list[str]]:
     best = sorted(sizes.index, key=lambda b: (-sizes[b], b))[0]
     frame = frame[frame["budget"] == best].drop(columns="budget").reset_index(drop=True)
     budget = frame["tokens_per_param"].iloc[0]
-    return frame, f"{budget:g} training tokens per parameter", left_out
+    return frame, f"{budget:g} training tokens per parameter (of the baseline at each size)", left_out
 
 
 def fit_power_law(flops, loss) -> tuple[float, float]:

@@ -469,6 +469,23 @@ class LDM(DepthMixer):
         """Analytic forward FLOPs per token over PreLN for the implementation that runs (``variants/ldm_costs.py``)."""
         return sum(ldm_costs.flops_per_token(self))
 
+    @torch.no_grad()
+    def learned_statistics(self, trace):
+        """LDM-RLS: the forgetting factor λ of every layer's write per group (from the parameters, or the fixed
+        value), and the importance weights ω of every layer's write over the traced tokens and groups: mean,
+        standard deviation (over all of them, not a sample estimate), min and max. The embedding's own write
+        (``read=memory``) is left out, so there is one entry per layer. Nothing for the outer-product write."""
+        if not (self.rls and self.uses_memory):
+            return {}
+        like = trace.embed.new_zeros((), dtype=torch.float64)
+        lam = [self._lambda(layer + self.embed_write, like).tolist() for layer in range(self.n_layers)]
+        omega = []
+        for layer in range(self.n_layers):
+            w = trace.mixer[("omega", layer)].double()  # (b, t, g)
+            omega.append({"mean": float(w.mean()), "std": float(w.std(unbiased=False)),
+                          "min": float(w.min()), "max": float(w.max())})
+        return {"lambda": lam, "omega": omega}
+
 
 register("ldm-rls", defaults={"write": "rls"},
          description="LDM with the exact recursive-least-squares memory: forgetting λ, importance ω, ridge α")(LDM)
