@@ -453,8 +453,8 @@ def cost_table(ctx: Context) -> Table:
                      "memory column.")
     if shared_rows:
         notes.append("Tokens/s marked (shared cores) comes from runs that trained while other work used the same "
-                     "CPU cores (its threads and the runnable tasks sampled at every logged step outnumbered the cores), so it is no measure of the variant's "
-                     "cost and gets no ratio.")
+                     "CPU cores (the run's threads and the other runnable tasks, sampled at every logged step, "
+                     "outnumbered the cores), so it is no measure of the variant's cost and gets no ratio.")
     return Table("cost", "Cost relative to the baseline", data, display, notes)
 
 
