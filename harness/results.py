@@ -203,6 +203,8 @@ def _axis_columns(keys: list[str]) -> dict[str, str]:
     for key, name in zip(keys, short):
         if short.count(name) > 1 or name in _RESERVED or name.startswith("knob_"):
             name = key.replace(".", "_")
+        if name in _RESERVED:  # train.tokens, which the budget columns already name
+            name = f"axis_{name}"
         out[name] = key
     return out
 
