@@ -276,37 +276,48 @@ def ablation_grid(ctx: Context) -> tuple[Figure, str]:
     return _finish(fig), caption
 
 
+BUDGET_KEYS = ("train.tokens", "train.max_steps")
+
+
 def numeric_axes(sweep: Sweep) -> list[str]:
     """Grid axes (config keys besides variant and seed) with numbers as values and at least two of them; of axes
-    that determine each other (a width and the MLP width scaled with it), the first."""
+    that determine each other (a width and the MLP width scaled with it), the first; a budget that follows from
+    the other axes (tokens per parameter at each size) is no axis of its own."""
     out = []
     finished = sweep.finished()
     for name in sweep.axis_keys:
         values = [r.axes.get(name) for r in finished]
-        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) \
-                and len(set(values)) >= 2:
-            if not any(_determines(finished, name, other) and _determines(finished, other, name) for other in out):
-                out.append(name)
+        if not (values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+                and len(set(values)) >= 2):
+            continue
+        others = [k for k in sweep.axis_keys if k != name and sweep.axis_keys[k] not in BUDGET_KEYS]
+        if sweep.axis_keys[name] in BUDGET_KEYS and others and _determines(finished, others, name):
+            continue
+        if not any(_determines(finished, [name], other) and _determines(finished, [other], name) for other in out):
+            out.append(name)
     return out
 
 
-def _determines(runs: list[Run], a: str, b: str) -> bool:
-    """Whether the value of axis ``a`` fixes that of axis ``b`` among ``runs``."""
+def _determines(runs: list[Run], given: list[str], b: str) -> bool:
+    """Whether the values of the axes ``given`` fix that of axis ``b`` among ``runs``."""
     seen: dict = {}
     for run in runs:
-        if seen.setdefault(run.axes.get(a), run.axes.get(b)) != run.axes.get(b):
+        key = tuple(repr(run.axes.get(a)) for a in given)
+        if seen.setdefault(key, run.axes.get(b)) != run.axes.get(b):
             return False
     return True
 
 
 def axis_slice(sweep: Sweep, axis: str) -> tuple[pd.DataFrame, dict]:
-    """Finished runs along ``axis`` with every other axis it does not determine held at its most common value:
+    """Finished runs along ``axis`` with every other axis that does not follow from it held at its most common value:
     one row per run with the axis value, variant, seed and final loss (variants with at least two values of the
     axis), and the values held fixed."""
     finished = sweep.finished()
-    held = {}
+    held: dict = {}
     for other in sweep.axis_keys:
-        if other == axis or _determines(finished, axis, other):
+        # An axis that follows from this one and those already held (the MLP width of a width, the token budget
+        # of a size) moves with them instead of being held.
+        if other == axis or _determines(finished, [axis, *held], other):
             continue
         counts = pd.Series([repr(r.axes.get(other)) for r in finished]).value_counts()
         top = sorted(counts.index, key=lambda v: (-counts[v], v))[0]

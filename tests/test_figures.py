@@ -62,13 +62,14 @@ def _loss(variant: str, flops: float, seed_noise: float) -> float:
 def write_run(folder: Path, variant: str, seed: int, model: dict, rng, *, noise: float, lr: float = 3e-3,
               eval_stderr: float = 0.05) -> dict:
     folder.mkdir(parents=True)
+    params = _params(model)
+    tokens = int(TOKENS_PER_PARAM * params)
+    # As a sweep writes it: the budget per parameter resolved into tokens, one count per model size.
     config = {"name": "study", "variant": variant, "model": model, "data": {"corpus": "shakespeare"},
-              "train": {"seed": seed, "lr": lr, "max_steps": 0, "tokens_per_param": TOKENS_PER_PARAM},
+              "train": {"seed": seed, "lr": lr, "max_steps": 0, "tokens": tokens, "tokens_per_param": TOKENS_PER_PARAM},
               "eval": {}, "slurm": {}}
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "status.json").write_text(json.dumps({"state": "done", "step": 10, "message": "done"}))
-    params = _params(model)
-    tokens = int(TOKENS_PER_PARAM * params)
     flops = _train_flops(model, variant, tokens)
     loss = _loss(variant, flops, noise)
     summary = {"val_loss": loss, "val_ppl": math.exp(loss), "step": 10, "tokens": tokens, "train_tokens": tokens,
@@ -191,7 +192,9 @@ def test_depth_figure_draws_loss_against_layers_with_intervals(study):
         assert list(line.get_xdata()) == [2 * n for n in DEPTHS]
         expected = [np.mean([study["summaries"][(variant, 64, n, s)]["val_loss"] for s in SEEDS]) for n in DEPTHS]
         assert np.allclose(line.get_ydata(), expected, rtol=1e-12)
-    assert "d_model=64" in caption  # the width held fixed is named
+    assert "d_model=64" in caption  # the width held fixed is named; the token budget follows each size
+    assert "axis_train_tokens" in study["sweep"].axis_keys and "train_tokens" not in caption
+    assert figs.numeric_axes(study["sweep"]) == ["d_model", "n_blocks"]
 
 
 def test_hyperparameter_axes_are_typed_columns_and_numeric_x(tmp_path, rng_seed):
