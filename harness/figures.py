@@ -349,14 +349,14 @@ def _held_text(held: dict) -> str:
 def hyperparameters(ctx: Context) -> tuple[Figure, str]:
     """Final loss against every numeric grid axis (learning rate, width, depth, ...): the axis on x, one line per
     variant through the mean over seeds with its 95% t-interval; the other axes held at their most common value."""
-    axes_names = numeric_axes(ctx.sweep)
-    if not axes_names:
-        raise NoData("the sweep varies no numeric config key besides the seed")
+    slices = {name: axis_slice(ctx.sweep, name) for name in numeric_axes(ctx.sweep)}
+    slices = {name: sl for name, sl in slices.items() if not sl[0].empty}
+    if not slices:
+        raise NoData("the sweep varies no numeric config key besides the seed along which a variant has two values")
     held_texts = []
     with sns.axes_style("whitegrid"):
-        fig, axes = _figure(len(axes_names), ncols=min(len(axes_names), 3), panel_size=(4.4, 3.4))
-        for ax, name in zip(axes, axes_names):
-            frame, held = axis_slice(ctx.sweep, name)
+        fig, axes = _figure(len(slices), ncols=min(len(slices), 3), panel_size=(4.4, 3.4))
+        for ax, (name, (frame, held)) in zip(axes, slices.items()):
             _lines_with_intervals(ax, frame, ctx.colours, ctx.baseline)
             xs = sorted(frame["x"].unique())
             if xs and xs[0] > 0 and xs[-1] / xs[0] >= 8:
@@ -409,8 +409,11 @@ def frontier(ctx: Context) -> tuple[Figure, str]:
     if points.groupby("variant")["size"].nunique().max() < 2:
         raise NoData("no variant has two model sizes at one tokens-per-parameter budget")
     fits = result.fits.set_index("variant") if not result.fits.empty else pd.DataFrame()
+    # A variant with a single size has no frontier to draw; its multiplier is in the table.
+    sizes = points.groupby("variant")["size"].nunique()
+    points = points[points["variant"].isin(sizes[sizes >= 2].index)]
     with sns.axes_style("whitegrid"):
-        fig, axes = _figure(1, panel_size=(5.6, 4.0))
+        fig, axes = _figure(1, panel_size=(6.4, 4.4))
         ax = axes[0]
         for variant in variant_order(points["variant"], ctx.baseline):
             sub = points[points["variant"] == variant]
@@ -429,7 +432,8 @@ def frontier(ctx: Context) -> tuple[Figure, str]:
         ax.set(xlabel="training FLOPs C", ylabel="final validation loss L", title="compute frontier")
         _shared_legend(fig, axes)
     caption = (f"Final validation loss against training compute (3 × forward FLOPs per token × tokens) for every "
-               f"model size trained at {result.budget_text}; dots: runs, diamonds: mean over seeds per size, "
+               f"model size trained at {result.budget_text}, variants with two sizes or more; dots: runs, "
+               f"diamonds: mean over seeds per size, "
                f"lines: L = a·C^(−b) fitted per variant in log–log space. The compute multipliers are in the "
                f"compute_multiplier table.")
     return _finish(fig), caption
@@ -474,7 +478,8 @@ def learned_lambda(ctx: Context) -> tuple[Figure, str]:
         ax.set_yticks(range(g.shape[0]))
         ax.set_xticks(range(0, g.shape[1], max(1, g.shape[1] // 8)))
     _finish(fig)
-    fig.colorbar(image, ax=list(axes), label="λ (forgetting factor)", shrink=0.9)
+    bar = fig.colorbar(image, ax=list(axes), label="λ (forgetting factor)", shrink=0.9)
+    bar.formatter.set_useOffset(False)  # λ near 1 reads as 0.99995, not as an offset
     caption = ("Learned forgetting factor λ per layer (rows) and memory group (columns) at the last validation, mean "
                "over seeds; one colour scale for all panels." + note)
     if dropped:
