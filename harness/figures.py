@@ -188,9 +188,11 @@ def ablation_comparisons(ctx: Context) -> tuple[pd.DataFrame, str, str]:
     ref_runs = [r for r in finished if r.variant == reference]
     if not ref_runs:
         raise NoData(f"no finished run of the ablation reference {reference}")
-    shown = main_setting(ref_runs)
-    ref_runs = [r for r in ref_runs if r.setting == shown]
     ref_knobs = ref_runs[0].knob_values
+    # The setting where the ablations are: the most runs of variants that share the reference's knobs.
+    shown = main_setting([r for r in finished if r.knob_values and set(r.knob_values) == set(ref_knobs)
+                          and any(q.setting == r.setting for q in ref_runs)])
+    ref_runs = [r for r in ref_runs if r.setting == shown]
     by_variant: dict[str, list[Run]] = {}
     for run in finished:
         if run.setting == shown and run.variant != reference and run.knob_values and \
