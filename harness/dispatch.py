@@ -60,12 +60,19 @@ class Profile(SlurmConfig):
     """Most requeues after time limits (preemptions do not count)."""
     additional: dict[str, Any] = field(default_factory=dict)
     """Further sbatch options, e.g. ``{constraint: a100}``."""
+    gpu_peak_tflops: float = 312.0
+    """bf16 dense peak of one card in TFLOP/s (A100 312, H100 SXM 989), for the dry run's GPU-hour estimate."""
+    utilisation: float = 0.4
+    """Assumed share of that peak a run reaches, for the same estimate."""
 
     def __post_init__(self):
         for name in ("time_min", "nodes", "tasks_per_node", "cpus_per_task", "array_parallelism"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UsageError(f"The profile {self.name!r} needs {name} as a positive integer, "
                                  f"got {getattr(self, name)!r}.")
+        if not (self.gpu_peak_tflops > 0 and 0 < self.utilisation <= 1):
+            raise UsageError(f"The profile {self.name!r} needs a positive gpu_peak_tflops and a utilisation in "
+                             f"(0, 1], got {self.gpu_peak_tflops!r} and {self.utilisation!r}.")
         if self.gpus_per_node < 0 or self.mem_gb <= 0 or self.signal_delay_s < 0 or self.max_requeues < 0:
             raise UsageError(f"The profile {self.name!r} needs gpus_per_node, signal_delay_s and max_requeues "
                              f"of zero or more, and a positive mem_gb.")
@@ -684,6 +691,9 @@ def describe_plan(p: Plan) -> str:
     lines.append(res)
     if pr.setup:
         lines.append("setup: " + "; ".join(pr.setup))
+    from harness.estimate import describe_costs
+
+    lines.append(describe_costs(p.runs, pr))
     lines += [f"warning: {w}" for w in p.warnings]
     return "\n".join(lines)
 
