@@ -46,3 +46,12 @@ def test_a_batch_that_does_not_divide_is_one_sentence():
     with pytest.raises(UsageError, match=r"train.batch_size \(256\) must be a multiple of devices x nodes x "
                                          r"train.micro_batch_size \(4 x 1 x 24 = 96\)\."):
         accumulation(cfg)
+
+
+@pytest.mark.parametrize("profile, passes", [("gpu-40gb", 4), ("gpu-80gb", 2)])
+def test_paper_grid_is_sized_for_40_and_80_gb_cards(profile, passes, tmp_path):
+    from harness.dispatch import plan
+
+    cfg = plan("experiments/paper.yaml", profile=profile, root=tmp_path).runs[0].cfg
+    assert (cfg.train.batch_size, cfg.train.devices, cfg.train.num_nodes) == (256, 4, 1)
+    assert cfg.train.micro_batch_size == 64 // passes and accumulation(cfg) == passes
