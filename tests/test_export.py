@@ -57,3 +57,26 @@ def test_other_variants_export_with_remote_code(tmp_path, variant):
         ours, theirs = model(idx), hf(idx).logits
     assert torch.equal(ours, theirs)
     assert transformers.AutoTokenizer.from_pretrained(out).eos_token == "<|endoftext|>"
+
+
+def test_lm_eval_hf_backend_scores_an_export_as_the_project_does(tmp_path):
+    """lm-eval's own ``hf`` model on the exported folder gives the per-item scores of the project's adapter."""
+    pytest.importorskip("accelerate")
+    from harness.evaluation import run_tasks
+    from harness.lm_adapter import DepthmemLM
+
+    run = _trained(tmp_path, "ldm-rls")
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--hf", str(out)]) == 0
+    ours = run_tasks(DepthmemLM(str(run), batch_size=4), ["offline_copa"], limit=12, bootstrap_iters=0)
+    import lm_eval
+
+    from harness.evaluation import task_manager
+
+    theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out},trust_remote_code=True,dtype=float32",
+                                     tasks=["offline_copa"], task_manager=task_manager(["offline_copa"]), limit=12,
+                                     bootstrap_iters=0, device="cpu", batch_size=4, log_samples=False)
+    metrics = [k for k in ours["results"]["offline_copa"] if k.startswith("acc") and "stderr" not in k]
+    assert metrics
+    for metric in metrics:
+        assert theirs["results"]["offline_copa"][metric] == ours["results"]["offline_copa"][metric], metric
