@@ -107,8 +107,11 @@ class TrainConfig:
     """Training sequence length; 0 means the model's max_seq_len."""
     max_steps: int = 0
     """Optimizer steps; 0 means the token budget below decides."""
+    tokens: int = 0
+    """Tokens to train on (rounded up to whole steps) when max_steps is 0; 0 means tokens_per_param decides."""
     tokens_per_param: float = 20.0
-    """Token budget per model parameter when max_steps is 0."""
+    """Token budget per parameter of the baseline (PreLN at this size; a grid's report.baseline), when
+    max_steps and tokens are 0. Counted against the baseline so every variant trains on the same tokens."""
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -135,14 +138,21 @@ class TrainConfig:
     """A gradient norm above this (or a non-finite loss) stops the run as diverged."""
     logger: str = "csv"
     """``csv``, ``tensorboard`` or ``wandb`` (CSV is always written)."""
+    wandb_project: str = ""
+    """W&B project; empty means the sweep's name (``name``), else ``depthmem``."""
 
     def __post_init__(self):
         for name in ("batch_size", "log_every_steps", "val_every_steps", "ckpt_every_steps", "devices", "num_nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("seq_len", "max_steps", "warmup_steps", "val_batches", "micro_batch_size"):
+        for name in ("seq_len", "max_steps", "tokens", "warmup_steps", "val_batches", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be zero or positive, got {getattr(self, name)}")
+        if self.max_steps and self.tokens:
+            raise ValueError(f"train.max_steps ({self.max_steps}) and train.tokens ({self.tokens}) both fix the "
+                             "budget; set one of them and leave the other 0")
+        if not self.tokens_per_param > 0:
+            raise ValueError(f"train.tokens_per_param must be a positive number, got {self.tokens_per_param}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be positive, got {self.lr}")
         if self.schedule not in ("cosine", "wsd"):

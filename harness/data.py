@@ -325,11 +325,28 @@ def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
 STATE_FILE = "prepare_state.json"
 
 
+def _bpe_size(tokenizer: str) -> int | None:
+    """N of ``bpe:N`` (a BPE to train on the inputs), else None."""
+    if not tokenizer.startswith("bpe:"):
+        return None
+    try:
+        size = int(tokenizer[4:])
+    except ValueError:
+        size = 0
+    if size < 258:
+        raise UsageError(f"--tokenizer bpe:N needs N as an integer of at least 258 (256 bytes and the end-of-text "
+                         f"token), got {tokenizer!r}.")
+    return size
+
+
 def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2", text_field: str = "text",
             split: str = "train", config: str | None = None, max_tokens: int | None = None,
-            shard_tokens: int = 50_000_000, resume: bool = True, progress: bool = True) -> Path:
+            shard_tokens: int = 50_000_000, resume: bool = True, progress: bool = True,
+            preset: str | None = None) -> Path:
     """Tokenize documents into a shard folder (flat token files and ``index.json``); returns the folder.
 
+    ``tokenizer`` is ``gpt2``, the path of a ``tokenizer.json``, or ``bpe:N`` for a byte-level BPE of N tokens
+    trained on the inputs. With ``preset``, a tokenizer larger than the preset's vocabulary is refused first.
     ``max_tokens`` stops at the end of the document that reaches it. Every finished shard is recorded in
     ``prepare_state.json`` with how many documents of each input it consumed, so an interrupted preparation
     run again with the same arguments continues after its last shard instead of starting over.
@@ -349,9 +366,26 @@ def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2
         p = Path(path)
         if not p.is_file() and not p.is_dir() and _is_local(path):
             raise UsageError(f"The input {path!r} is not a readable file (text, .jsonl or .parquet).")
+    bpe_size = _bpe_size(tokenizer)
+    if preset is not None:  # before any work: will the model this corpus is for fit its tokenizer?
+        from harness.config import model_preset
+
+        vocab = model_preset(preset).vocab_size
+        size = bpe_size or (tokenizers.GPT2_VOCAB_SIZE if tokenizer == "gpt2" else tokenizers.from_file(tokenizer)
+                            .vocab_size)
+        if size > vocab:
+            raise UsageError(f"The tokenizer has {size} tokens but the preset {preset!r} has model.vocab_size "
+                             f"{vocab}: train on this corpus with model.vocab_size={size}, or prepare it with "
+                             f"--tokenizer bpe:{vocab}.")
     out = writable_dir(out, "shard folder")
     if tokenizer == "gpt2":
         tok, tok_ref = tokenizers.gpt2(), "gpt2"
+    elif bpe_size:
+        # A byte-level BPE of the asked size, trained on these very documents, then used to encode them.
+        tok = tokenizers.train_bpe((t for path in inputs for t in _documents(path, text_field, split, config)),
+                                   bpe_size)
+        tok_ref = "tokenizer.json"
+        atomic_write_text(out / "tokenizer.json", tok.to_json())
     else:
         tok, tok_ref = tokenizers.from_file(tokenizer), "tokenizer.json"
         atomic_write_text(out / "tokenizer.json", tok.to_json())

@@ -7,14 +7,18 @@ def add_parser(sub):
     p = sub.add_parser(
         "prepare", help="tokenize documents into token shards for training (data.corpus=DIR)",
         description="Tokenize documents into flat uint16/uint32 token shards plus index.json, each document "
-                    "followed by the end-of-text token. Train on them with --set data.corpus=DIR.")
+                    "followed by the end-of-text token. Train on them with data.corpus=DIR.")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="text files (one document each), .jsonl (one per line) or .parquet (one per row) files or "
                         "glob patterns of them (quote them: 'data/*.parquet'), or a Hugging Face dataset: a hub "
                         "name (needs the network) or a local folder laid out like one")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the shards and index.json into")
-    p.add_argument("--tokenizer", default="gpt2", metavar="gpt2|PATH",
-                   help="gpt2 (default) or the path of a Hugging Face tokenizer.json (copied into DIR)")
+    p.add_argument("--tokenizer", default="gpt2", metavar="gpt2|bpe:N|PATH",
+                   help="gpt2 (default), bpe:N (a byte-level BPE of N tokens trained on the inputs), or the path "
+                        "of a Hugging Face tokenizer.json (copied into DIR)")
+    p.add_argument("--preset", metavar="NAME",
+                   help="the model preset the corpus is for: a tokenizer larger than its vocabulary is refused "
+                        "before any work, naming the model.vocab_size to use")
     p.add_argument("--text-field", default="text", help="JSONL field, Parquet column or dataset field (default: text)")
     p.add_argument("--split", default="train", help="split of a hub dataset (default: train)")
     p.add_argument("--subset", default=None, metavar="NAME",
@@ -38,8 +42,9 @@ def run(args) -> int:
     from harness.data import prepare, read_index
 
     out = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field, split=args.split,
-                  config=args.subset, max_tokens=args.max_tokens, shard_tokens=args.shard_tokens, resume=args.resume)
+                  config=args.subset, max_tokens=args.max_tokens, shard_tokens=args.shard_tokens, resume=args.resume,
+                  preset=args.preset)
     index = read_index(out)
     print(f"depthmem: {index['documents']:,} documents, {index['tokens']:,} tokens in {len(index['shards'])} "
-          f"shard(s) at {out}")
+          f"shard(s) at {out}; train on it with data.corpus={out} model.vocab_size={index['vocab_size']}")
     return 0
