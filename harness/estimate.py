@@ -31,8 +31,8 @@ def _model_counts(cfg: RunConfig) -> tuple[int, int]:
 
 def run_cost(cfg: RunConfig, *, peak_tflops: float, utilisation: float, _cache: dict | None = None) -> dict[str, Any]:
     """Parameters, steps, tokens, training FLOPs and estimated GPU-hours of one run."""
+    from harness.budget import seq_len_of, train_steps
     from harness.costs import preln_flops_per_token
-    from harness.training import seq_len_of, total_steps
 
     key = (repr(cfg.model), cfg.variant)
     counts = _cache.get(key) if _cache is not None else None
@@ -42,7 +42,7 @@ def run_cost(cfg: RunConfig, *, peak_tflops: float, utilisation: float, _cache: 
             _cache[key] = counts
     params, extra = counts
     seq_len = seq_len_of(cfg)
-    steps = total_steps(cfg, params)
+    steps = train_steps(cfg)
     tokens = steps * cfg.train.batch_size * seq_len
     flops = 3 * (preln_flops_per_token(cfg.model, seq_len) + extra) * tokens
     gpu_hours = flops / (utilisation * peak_tflops * 1e12) / 3600
