@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import random
-import resource
 import sys
 import time
 import warnings
@@ -41,6 +40,7 @@ from harness.budget import seq_len_of
 from harness.config import RunConfig
 from harness.errors import RunFailed, UsageError
 from harness.io import append_bytes, atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_path, read_json
+from harness.memory import AllocatorPeak, CoreLoad, live_training_bytes
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
@@ -132,12 +132,6 @@ def _set_rng_states(s: dict) -> None:
     kind, keys, pos, has_gauss, gauss = s["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(s["torch"])
-
-
-def peak_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def _csv_text(columns: list[str], rows: list[dict], header: bool = True) -> str:
@@ -528,6 +522,45 @@ class StepProgressBar(TQDMProgressBar):
         return items
 
 
+class StepCosts(pl.Callback):
+    """The training step's allocator peak and, on CPU, whether other work shared the cores.
+
+    On CUDA the peak is ``torch.cuda.max_memory_allocated`` over the whole segment. On CPU one step is profiled
+    (the second of the segment, once the optimizer holds its state): the allocator's peak above the step's start,
+    plus the parameters, gradients and optimizer state live at its start, as ``depthmem bench`` counts a step.
+    """
+
+    def __init__(self, resume_step: int, total: int):
+        self.at_step = min(resume_step + 1, total - 1)
+        self.peak: int | None = None
+        self.method: str | None = None
+        self.load = CoreLoad()
+        self._meter: AllocatorPeak | None = None
+        self._live = 0
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if module.device.type == "cpu" and trainer.global_step == self.at_step:
+            self._live = live_training_bytes(module.model, trainer.optimizers)
+            self._meter = AllocatorPeak("cpu")
+            self._meter.start()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self._meter is not None:
+            self.peak, self.method, self._meter = self._live + self._meter.stop(), "cpu", None
+        if module.device.type == "cpu" and trainer.global_step % module.cfg.train.log_every_steps == 0:
+            self.load.sample()
+
+    def on_train_end(self, trainer, module):
+        if module.device.type == "cuda":
+            self.peak, self.method = int(torch.cuda.max_memory_allocated(module.device)), "cuda"
+
+    def summary(self, module) -> dict:
+        out: dict = {"peak_mem_bytes": self.peak, "peak_mem_method": self.method}
+        if module.device.type == "cpu":
+            out.update(self.load.summary(torch.get_num_threads()))
+        return out
+
+
 def _cluster_environment():
     from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 
@@ -755,8 +788,10 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     module = LitDecoder(cfg, model, total=total, val_windows=torch.from_numpy(val), byte_lengths=byte_lengths,
                         tokenizer_spec=tok.spec())
     files = RunFiles(cfg, run_dir, ckpt_path, resume_step, plain_logs)
+    costs = StepCosts(resume_step, total)
     _quiet_lightning()
-    trainer = _trainer(cfg, [files] if plain_logs else [files, StepProgressBar(files)], run_dir, total, plain_logs)
+    callbacks = [files, costs] if plain_logs else [files, costs, StepProgressBar(files)]
+    trainer = _trainer(cfg, callbacks, run_dir, total, plain_logs)
     dataset = StepBatches(tokens.train, cfg, total,
                           lambda: (trainer.global_step, trainer.global_rank, trainer.world_size))
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
@@ -814,7 +849,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         "params": model.num_params(), "extra_params": _plus(_safe_cost(mixer.extra_params), widened_params),
         "stream_floats_per_token": _safe_cost(mixer.stream_floats_per_token),
         "extra_flops_per_token": _plus(_safe_cost(mixer.extra_flops_per_token), widened_flops),
-        "tokens_per_s": files.segment_tokens_per_s, "peak_mem_bytes": peak_memory_bytes(), "wall_s": wall,
+        "tokens_per_s": files.segment_tokens_per_s, **costs.summary(module), "wall_s": wall,
     }
     if files.depth_stats:
         summary["depth_memory"] = {k: v for k, v in files.depth_stats[-1].items() if k != "step"}
