@@ -85,6 +85,17 @@ def total_steps(cfg: RunConfig) -> int:
     return budget.train_steps(cfg)
 
 
+def accumulation(cfg: RunConfig) -> int:
+    """Forward/backward passes per optimizer step: the global batch over processes x micro batch."""
+    t = cfg.train
+    world = t.devices * t.num_nodes
+    micro = t.micro_batch_size or t.batch_size // world
+    if t.batch_size % (world * micro):
+        raise UsageError(f"train.batch_size ({t.batch_size}) must be a multiple of devices x nodes x "
+                         f"train.micro_batch_size ({t.devices} x {t.num_nodes} x {micro} = {world * micro}).")
+    return t.batch_size // (world * micro)
+
+
 def global_grad_norm(grads: list[torch.Tensor], block: int = 4096) -> float:
     """L2 norm of all gradients together, to float64 accuracy without a float64 copy of them.
 
@@ -257,11 +268,14 @@ class StepBatches(torch.utils.data.IterableDataset):
     def __iter__(self):
         start, rank, world = self.context()  # read at iteration time: after a checkpoint is restored
         rows = datalib.rank_slice(self.cfg.train.batch_size, rank, world)
+        passes = accumulation(self.cfg)
         for step in range(start, self.total):
             batch = datalib.train_batch(self.tokens, seed=self.cfg.train.seed, step=step,
                                         batch_size=self.cfg.train.batch_size, seq_len=seq_len_of(self.cfg))
-            w = torch.from_numpy(batch[rows])  # (b_local, t + 1)
-            yield {"step": step, "x": w[:, :-1], "y": w[:, 1:]}
+            # The same rows as without accumulation, in equal consecutive parts: the mean of the parts' mean
+            # losses is the mean over the rank's share, so the update does not change.
+            for micro, w in enumerate(torch.from_numpy(batch[rows]).chunk(passes)):  # (b_micro, t + 1)
+                yield {"step": step, "micro": micro, "last": micro == passes - 1, "x": w[:, :-1], "y": w[:, 1:]}
 
 
 class LitDecoder(pl.LightningModule):
@@ -282,6 +296,7 @@ class LitDecoder(pl.LightningModule):
         self.step_lr: float | None = None
         self.step_layer_grads: list[float] | None = None
         self.diverged: dict | None = None
+        self._loss_sum: torch.Tensor | None = None  # summed over the passes of the current step
 
     def forward(self, idx):
         return self.model(idx)
@@ -291,14 +306,15 @@ class LitDecoder(pl.LightningModule):
             raise RuntimeError(f"data step {int(batch['step'])} does not match optimizer step {self.global_step}")
         logits = self.model(batch["x"])  # (b, t, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
-        self._loss = loss.detach()
+        self._loss_sum = loss.detach() if int(batch["micro"]) == 0 else self._loss_sum + loss.detach()
         self.log("train_loss", loss.detach(), prog_bar=True, batch_size=batch["x"].shape[0])
         return loss
 
     def on_before_optimizer_step(self, optimizer):
         # Gradients are synchronized across ranks here and not yet clipped.
         grad_norm = global_grad_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        loss = float(self.trainer.strategy.reduce(self._loss.float(), reduce_op="mean"))
+        mean = self._loss_sum.float() / self.trainer.accumulate_grad_batches
+        loss = float(self.trainer.strategy.reduce(mean, reduce_op="mean"))
         self.step_loss, self.step_grad_norm = loss, grad_norm
         self.step_lr = optimizer.param_groups[0]["lr"]
         step = self.global_step + 1
@@ -333,7 +349,7 @@ class LitDecoder(pl.LightningModule):
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, tokens, bytes
         was_training = self.model.training
         self.model.eval()
-        per = max(1, self.cfg.train.batch_size // world)
+        per = max(1, self.cfg.train.micro_batch_size or self.cfg.train.batch_size // world)
         with self.trainer.precision_plugin.forward_context():
             for w in mine.split(per):
                 w = w.to(self.device)
@@ -434,6 +450,8 @@ class RunFiles(pl.Callback):
             self._write_row(trainer, row)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if not batch["last"]:
+            return  # an accumulation pass: the step is not taken yet
         step, t = trainer.global_step, self.cfg.train
         self.last_loss = module.step_loss if module.diverged is None else self.last_loss
         logged = step % t.log_every_steps == 0 or step in (1, module.total) or module.diverged is not None
@@ -578,6 +596,7 @@ def _trainer(cfg: RunConfig, callbacks: list, run_dir: Path, total: int, plain_l
             deterministic=True if accelerator == "cpu" else "warn", logger=loggers or False,
             callbacks=callbacks, enable_checkpointing=False, enable_model_summary=False,
             enable_progress_bar=not plain_logs, log_every_n_steps=t.log_every_steps, limit_val_batches=0,
+            accumulate_grad_batches=accumulation(cfg),
             num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(run_dir))
     except ModuleNotFoundError as e:
         raise UsageError(f"train.logger={t.logger} needs a package that is not installed: pip install {e.name}.") \
@@ -728,6 +747,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     if cfg.train.batch_size % world:
         raise UsageError(f"train.batch_size ({cfg.train.batch_size}) must be divisible by the number of "
                          f"processes ({world}).")
+    accumulation(cfg)
     seq_len = seq_len_of(cfg)
     if seq_len > cfg.model.max_seq_len:
         raise UsageError(f"train.seq_len ({seq_len}) must not exceed model.max_seq_len ({cfg.model.max_seq_len}).")
