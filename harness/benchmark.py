@@ -20,7 +20,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,52 +253,18 @@ def static_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-@contextlib.contextmanager
-def _stderr_silenced():
-    """Send file descriptor 2 to /dev/null: Kineto prints a line at every profiler start and stop, unasked."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def cpu_peak_allocated_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes live at any moment while ``fn`` runs, counting only what ``fn`` allocates (CPU allocator)."""
-    from torch._C._profiler import _ExtraFields_Allocation
-    from torch.profiler import ProfilerActivity, profile
+    from harness.memory import AllocatorPeak
 
-    # The profiler's allocation records carry the allocator's running total of bytes allocated since profiling
-    # began, so their maximum is the peak; it is the CPU counterpart of torch.cuda.max_memory_allocated.
-    with _stderr_silenced():
-        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        prof.start()
+    # The CPU counterpart of torch.cuda.max_memory_allocated, from the profiler's allocator totals.
+    peak = AllocatorPeak("cpu")
+    peak.start()
     try:
         fn()
     finally:
-        with _stderr_silenced():
-            prof.stop()
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        fields = node.extra_fields
-        if isinstance(fields, _ExtraFields_Allocation) and fields.device.type == "cpu":
-            events.append((node.start_time_ns, fields.total_allocated, fields.alloc_size))
-    if not events:
-        return 0
-    # The running total also carries tensors from earlier profiling sessions that were freed while no profiler
-    # watched (their frees are never subtracted), so measure from the total just before the first allocation.
-    events.sort(key=lambda e: e[0])
-    base = events[0][1] - events[0][2]
-    peak = max(total for _, total, _ in events) - base
-    return int(peak)
+        result = peak.stop()
+    return result
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import sys
 from harness.errors import DepthmemError
 
 # Listed by hand so the order of ``--help`` is deliberate and a missing module is an obvious error.
-COMMANDS = ["variants", "train", "prepare", "sweep", "status", "cancel", "eval", "lm_eval", "report", "bench"]
+COMMANDS = ["variants", "train", "prepare", "sweep", "status", "cancel", "eval", "lm_eval", "report", "bench", "selftest", "export"]
 
 
 class _Parser(argparse.ArgumentParser):

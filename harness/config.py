@@ -100,6 +100,9 @@ class TrainConfig:
     seed: int = 0
     batch_size: int = 8
     """Global batch size in sequences (split across devices)."""
+    micro_batch_size: int = 0
+    """Sequences per device in one forward/backward pass; 0 means the whole per-device share of the batch. Below
+    that share, gradients are accumulated over batch_size / (devices x num_nodes x micro_batch_size) passes."""
     seq_len: int = 0
     """Training sequence length; 0 means the model's max_seq_len."""
     max_steps: int = 0
@@ -142,7 +145,7 @@ class TrainConfig:
         for name in ("batch_size", "log_every_steps", "val_every_steps", "ckpt_every_steps", "devices", "num_nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("seq_len", "max_steps", "tokens", "warmup_steps", "val_batches"):
+        for name in ("seq_len", "max_steps", "tokens", "warmup_steps", "val_batches", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be zero or positive, got {getattr(self, name)}")
         if self.max_steps and self.tokens:

@@ -231,8 +231,32 @@ def rank_slice(batch_size: int, rank: int, world_size: int) -> slice:
 
 
 # -- depthmem prepare -----------------------------------------------------------------------------------------
-def _documents(path: str, text_field: str, split: str) -> Iterator[str]:
-    """Documents of one input: a text file is one document, JSONL and Parquet one per record."""
+GLOB_CHARS = "*?["
+
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Inputs with glob patterns (``data/*.parquet``, ``shards/**/*.jsonl``) replaced by their sorted matches."""
+    import glob
+
+    out: list[str] = []
+    for item in inputs:
+        if any(c in item for c in GLOB_CHARS):
+            matches = sorted(m for m in glob.glob(item, recursive=True) if Path(m).is_file())
+            if not matches:
+                raise UsageError(f"The pattern {item!r} matches no file.")
+            out += matches
+        else:
+            out.append(item)
+    return out
+
+
+def _is_local(path: str) -> bool:
+    return Path(path).exists() or os.sep in path or path.startswith(".")
+
+
+def _documents(path: str, text_field: str, split: str, config: str | None = None) -> Iterator[str]:
+    """Documents of one input: a text file is one document, JSONL and Parquet one per record; a folder or a name
+    that is not a file is opened as a Hugging Face dataset (a local folder laid out like one works offline)."""
     p = Path(path)
     if p.is_file():
         if p.suffix in (".jsonl", ".json") or p.name.endswith(".jsonl.gz"):
@@ -263,25 +287,27 @@ def _documents(path: str, text_field: str, split: str) -> Iterator[str]:
         else:
             yield p.read_text(encoding="utf-8", errors="replace")
         return
-    if p.exists() or os.sep in path or path.startswith("."):
+    if not p.is_dir() and _is_local(path):
         raise UsageError(f"The input {path!r} is not a readable file (text, .jsonl or .parquet).")
-    yield from _hub_documents(path, text_field, split)
+    yield from _hub_documents(path, text_field, split, config)
 
 
-def _hub_documents(name: str, text_field: str, split: str) -> Iterator[str]:
-    """Documents of a Hugging Face hub dataset, streamed (needs the network)."""
+def _hub_documents(name: str, text_field: str, split: str, config: str | None = None) -> Iterator[str]:
+    """Documents of a Hugging Face dataset (hub name or local folder), streamed record by record."""
     try:
         import datasets
     except ImportError:
         raise UsageError(f"{name!r} is not a file, and reading hub datasets needs: pip install datasets.") from None
+    what = f"{name!r}" + (f" (config {config!r}, split {split!r})" if config else f" (split {split!r})")
     try:
-        ds = datasets.load_dataset(name, split=split, streaming=True)
-    except Exception as e:  # offline, unknown name or split: all end the same way for the user
-        raise UsageError(f"{name!r} is not a file and could not be opened as a Hugging Face dataset "
-                         f"(split {split!r}): {str(e).splitlines()[0] if str(e) else type(e).__name__}.") from None
+        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+    except Exception as e:  # offline, unknown name, config or split: all end the same way for the user
+        raise UsageError(f"{what} is not a file and could not be opened as a Hugging Face dataset: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}.") from None
     for record in ds:
         if text_field not in record:
-            raise UsageError(f"Dataset {name!r} has no field {text_field!r}; choose it with --text-field.")
+            raise UsageError(f"Dataset {what} has no field {text_field!r}; choose it with --text-field "
+                             f"(fields there: {', '.join(record)}).")
         yield str(record[text_field])
 
 
@@ -294,6 +320,9 @@ def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+STATE_FILE = "prepare_state.json"
 
 
 def _bpe_size(tokenizer: str) -> int | None:
@@ -311,12 +340,16 @@ def _bpe_size(tokenizer: str) -> int | None:
 
 
 def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2", text_field: str = "text",
-            split: str = "train", shard_tokens: int = 50_000_000, progress: bool = True,
+            split: str = "train", config: str | None = None, max_tokens: int | None = None,
+            shard_tokens: int = 50_000_000, resume: bool = True, progress: bool = True,
             preset: str | None = None) -> Path:
     """Tokenize documents into a shard folder (flat token files and ``index.json``); returns the folder.
 
     ``tokenizer`` is ``gpt2``, the path of a ``tokenizer.json``, or ``bpe:N`` for a byte-level BPE of N tokens
     trained on the inputs. With ``preset``, a tokenizer larger than the preset's vocabulary is refused first.
+    ``max_tokens`` stops at the end of the document that reaches it. Every finished shard is recorded in
+    ``prepare_state.json`` with how many documents of each input it consumed, so an interrupted preparation
+    run again with the same arguments continues after its last shard instead of starting over.
     """
     from tqdm.auto import tqdm
 
@@ -326,9 +359,12 @@ def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2
         raise UsageError("depthmem prepare needs at least one input: text, .jsonl or .parquet files or a dataset name.")
     if shard_tokens < 1:
         raise UsageError(f"--shard-tokens must be a positive integer, got {shard_tokens}.")
+    if max_tokens is not None and max_tokens < 1:
+        raise UsageError(f"--max-tokens must be a positive integer, got {max_tokens}.")
+    inputs = expand_inputs(list(inputs))
     for path in inputs:  # a mistyped file name fails here, before any progress output
         p = Path(path)
-        if not p.is_file() and (p.exists() or os.sep in path or path.startswith(".")):
+        if not p.is_file() and not p.is_dir() and _is_local(path):
             raise UsageError(f"The input {path!r} is not a readable file (text, .jsonl or .parquet).")
     bpe_size = _bpe_size(tokenizer)
     if preset is not None:  # before any work: will the model this corpus is for fit its tokenizer?
@@ -346,16 +382,31 @@ def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2
         tok, tok_ref = tokenizers.gpt2(), "gpt2"
     elif bpe_size:
         # A byte-level BPE of the asked size, trained on these very documents, then used to encode them.
-        tok = tokenizers.train_bpe((t for path in inputs for t in _documents(path, text_field, split)), bpe_size)
+        tok = tokenizers.train_bpe((t for path in inputs for t in _documents(path, text_field, split, config)),
+                                   bpe_size)
         tok_ref = "tokenizer.json"
         atomic_write_text(out / "tokenizer.json", tok.to_json())
     else:
         tok, tok_ref = tokenizers.from_file(tokenizer), "tokenizer.json"
         atomic_write_text(out / "tokenizer.json", tok.to_json())
     dtype = token_dtype(tok.vocab_size)
-    shards: list[dict] = []
+    settings = {"inputs": [str(i) for i in inputs], "tokenizer": tok_ref, "tokenizer_fingerprint": tok.fingerprint(),
+                "text_field": text_field, "split": split, "config": config, "shard_tokens": shard_tokens,
+                "max_tokens": max_tokens}
+    state = read_json(out / STATE_FILE) if resume else None
+    if state is not None and state.get("settings") != settings:
+        raise UsageError(f"{out} holds an unfinished preparation of other inputs or settings; give another --out, "
+                         f"or start over with --no-resume.")
+    if state is not None and state.get("done") and (out / "index.json").exists():
+        return out
+    state = state or {"settings": settings, "shards": [], "consumed": [0] * len(inputs), "done": False}
+    shards: list[dict] = state["shards"]
+    consumed: list[int] = state["consumed"]
     pending: list[np.ndarray] = []
-    pending_tokens = pending_docs = total_docs = 0
+    pending_tokens = pending_docs = 0
+    done_tokens = sum(sh["tokens"] for sh in shards)
+    # Documents past the last finished shard are consumed again on resume; these counts move only at a flush.
+    seen = list(consumed)
 
     def flush():
         nonlocal pending, pending_tokens, pending_docs
@@ -364,27 +415,46 @@ def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2
         name = f"shard_{len(shards):05d}.bin"
         atomic_write_bytes(out / name, np.concatenate(pending).astype(dtype).tobytes())
         shards.append({"file": name, "tokens": pending_tokens, "documents": pending_docs})
+        consumed[:] = seen
+        atomic_write_json(out / STATE_FILE, state)
         pending, pending_tokens, pending_docs = [], 0, 0
 
-    bar = tqdm(desc="tokenizing", unit=" docs", disable=not progress)
-    for path in inputs:
-        for texts in _batched(_documents(path, text_field, split), 256):
+    bar = tqdm(desc="tokenizing", total=max_tokens, initial=done_tokens, unit=" tok", unit_scale=True,
+               disable=not progress)
+    full = max_tokens is not None and done_tokens >= max_tokens
+    for i, path in enumerate(inputs):
+        if full:
+            break
+        docs = _documents(path, text_field, split, config)
+        for _ in range(consumed[i]):  # what finished shards already hold
+            if next(docs, None) is None:
+                break
+        for texts in _batched(docs, 256):
             for ids in tok.encode_batch(texts):
                 # Documents never straddle shards, so a shard boundary is always a document boundary.
                 pending.append(np.asarray(ids + [tok.eot_id], dtype=dtype))
                 pending_tokens += len(ids) + 1
                 pending_docs += 1
-                total_docs += 1
-                if pending_tokens >= shard_tokens:
+                seen[i] += 1
+                bar.update(len(ids) + 1)
+                full = max_tokens is not None and done_tokens + pending_tokens >= max_tokens
+                if pending_tokens >= shard_tokens or full:
+                    done_tokens += pending_tokens
                     flush()
-            bar.update(len(texts))
+                if full:
+                    break
+            if full:
+                break
     bar.close()
     flush()
     if not shards:
         raise UsageError("The inputs hold no documents, so there is nothing to prepare.")
     index = {"format": INDEX_FORMAT, "dtype": dtype.name, "shards": shards,
-             "tokens": sum(s["tokens"] for s in shards), "documents": total_docs, "tokenizer": tok_ref,
-             "tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
-             "separator": "end-of-text token after every document", "inputs": [str(i) for i in inputs]}
+             "tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
+             "tokenizer": tok_ref, "tokenizer_kind": tok.kind, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+             "separator": "end-of-text token after every document", "inputs": settings["inputs"],
+             "text_field": text_field, "split": split, "config": config, "max_tokens": max_tokens}
     atomic_write_json(out / "index.json", index)
+    state["done"] = True
+    atomic_write_json(out / STATE_FILE, state)
     return out

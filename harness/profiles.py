@@ -37,12 +37,24 @@ class Profile(SlurmConfig):
     """Most requeues after time limits (preemptions do not count)."""
     additional: dict[str, Any] = field(default_factory=dict)
     """Further sbatch options, e.g. ``{constraint: a100}``."""
+    gpu_peak_tflops: float = 312.0
+    """bf16 dense peak of one card in TFLOP/s (A100 312, H100 SXM 989), for the dry run's GPU-hour estimate."""
+    utilisation: float = 0.4
+    """Assumed share of that peak a run reaches, for the same estimate."""
+    micro_batch_size: int = 0
+    """Sequences per GPU in one pass (train.micro_batch_size; 0: the whole per-GPU share): what fits the card."""
 
     def __post_init__(self):
         for name in ("time_min", "nodes", "tasks_per_node", "cpus_per_task", "array_parallelism"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UsageError(f"The profile {self.name!r} needs {name} as a positive integer, "
                                  f"got {getattr(self, name)!r}.")
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 0:
+            raise UsageError(f"The profile {self.name!r} needs micro_batch_size as zero or a positive integer, "
+                             f"got {self.micro_batch_size!r}.")
+        if not (self.gpu_peak_tflops > 0 and 0 < self.utilisation <= 1):
+            raise UsageError(f"The profile {self.name!r} needs a positive gpu_peak_tflops and a utilisation in "
+                             f"(0, 1], got {self.gpu_peak_tflops!r} and {self.utilisation!r}.")
         if self.gpus_per_node < 0 or self.mem_gb <= 0 or self.signal_delay_s < 0 or self.max_requeues < 0:
             raise UsageError(f"The profile {self.name!r} needs gpus_per_node, signal_delay_s and max_requeues "
                              f"of zero or more, and a positive mem_gb.")
@@ -54,7 +66,10 @@ class Profile(SlurmConfig):
         """The run-config settings this profile implies: its ``slurm`` section and the DDP layout."""
         slurm = {f.name: getattr(self, f.name) for f in dataclasses.fields(SlurmConfig)}
         slurm["setup"] = list(self.setup)
-        return {"slurm": slurm, "train": {"devices": self.tasks_per_node, "num_nodes": self.nodes}}
+        train = {"devices": self.tasks_per_node, "num_nodes": self.nodes}
+        if self.micro_batch_size:
+            train["micro_batch_size"] = self.micro_batch_size
+        return {"slurm": slurm, "train": train}
 
 
 def profile_names() -> list[str]:

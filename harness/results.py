@@ -53,6 +53,17 @@ class Run:
     setting: str = ""
     knob_values: dict[str, str] = field(default_factory=dict)
     """Every knob of the run's base variant: its own value, else the registry default."""
+    axes: dict[str, Any] = field(default_factory=dict)
+    """The config values in which the sweep's runs differ (besides variant and seed), by column name, typed."""
+
+    def config_value(self, key: str, default: Any = None) -> Any:
+        """A config value by dotted key (``model.n_blocks``)."""
+        node: Any = self.config
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
 
     @property
     def state(self) -> str:
@@ -94,6 +105,8 @@ class Sweep:
     runs: list[Run]
     notes: list[str] = field(default_factory=list)
     knob_names: list[str] = field(default_factory=list)
+    axis_keys: dict[str, str] = field(default_factory=dict)
+    """Column name -> dotted config key of every axis the sweep varies besides variant and seed."""
 
     def finished(self) -> list[Run]:
         """Runs that count in averages: done, with a finite final validation loss."""
@@ -178,7 +191,25 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _settings(runs: list[Run]) -> None:
+# Column names of the tidy frame that an axis column must not take.
+_RESERVED = {"run_id", "run_dir", "setting", "variant", "base", "knobs", "preset", "seed", "state", "source", "task",
+             "step", "tokens", "metric", "value", "stderr", "train_tokens", "train_steps", "counted", "message"}
+
+
+def _axis_columns(keys: list[str]) -> dict[str, str]:
+    """Column name per differing config key: its last part (``lr``), or the whole key where that is ambiguous."""
+    short = [k.rsplit(".", 1)[-1] for k in keys]
+    out = {}
+    for key, name in zip(keys, short):
+        if short.count(name) > 1 or name in _RESERVED or name.startswith("knob_"):
+            name = key.replace(".", "_")
+        if name in _RESERVED:  # train.tokens, which the budget columns already name
+            name = f"axis_{name}"
+        out[name] = key
+    return out
+
+
+def _settings(runs: list[Run]) -> dict[str, str]:
     """Label every run with the config keys (other than variant and seed) in which the sweep's runs differ."""
     flat = []
     for run in runs:
@@ -197,6 +228,10 @@ def _settings(runs: list[Run]) -> None:
             label = k[6:] if k.startswith("model.") else k
             parts.append(f"{label}={format_value(f.get(k))}")
         run.setting = ", ".join(parts)
+    columns = _axis_columns(differing)
+    for run in runs:
+        run.axes = {name: run.config_value(key) for name, key in columns.items()}
+    return columns
 
 
 def find_run_dirs(root: Path) -> list[Path]:
@@ -244,7 +279,7 @@ def load_sweep(root: str | Path) -> Sweep:
             mixing=mixing if isinstance(mixing, dict) else None,
             eval=_read_csv(d / "eval" / "table.csv", notes, root, ("value", "stderr")),
         ))
-    _settings(runs)
+    axis_keys = _settings(runs)
     seen = sorted({k for r in runs for k in r.knobs})
     for run in runs:
         defaults = registry.get(run.base)
@@ -254,7 +289,7 @@ def load_sweep(root: str | Path) -> Sweep:
             # The registry does not know this base, so a knob another run of it sets has an unnamed default.
             run.knob_values = {k: run.knobs.get(k, "default") for k in seen
                                if any(k in r.knobs for r in runs if r.base == run.base)}
-    return Sweep(root=root, runs=runs, notes=list(dict.fromkeys(notes)), knob_names=seen)
+    return Sweep(root=root, runs=runs, notes=list(dict.fromkeys(notes)), knob_names=seen, axis_keys=axis_keys)
 
 
 def knobs_text(knobs: dict[str, str]) -> str:
@@ -262,19 +297,53 @@ def knobs_text(knobs: dict[str, str]) -> str:
     return ", ".join(f"{k}={v}" for k, v in knobs.items()) or "default"
 
 
-def _run_column_names(knob_names: list[str]) -> list[str]:
-    return ["run_id", "run_dir", "setting", "variant", "base", "knobs", *(f"knob_{k}" for k in knob_names),
-            "preset", "seed", "state", "train_tokens", "train_steps"]
+def _run_column_names(sweep: Sweep) -> list[str]:
+    return ["run_id", "run_dir", "setting", "variant", "base", "knobs", *(f"knob_{k}" for k in sweep.knob_names),
+            *sweep.axis_keys, "preset", "seed", "state", "train_tokens", "train_steps"]
 
 
-def _run_columns(run: Run, knob_names: list[str]) -> dict[str, Any]:
+def _run_columns(run: Run, sweep: Sweep) -> dict[str, Any]:
     cols: dict[str, Any] = {"run_id": run.run_id, "run_dir": run.rel, "setting": run.setting,
                             "variant": run.variant, "base": run.base, "knobs": knobs_text(run.knobs)}
-    for k in knob_names:
+    for k in sweep.knob_names:
         cols[f"knob_{k}"] = run.knob_values.get(k, "")
+    for name in sweep.axis_keys:
+        cols[name] = run.axes.get(name)
     steps, tokens = run.budget
     cols.update(preset=run.preset, seed=run.seed, state=run.state, train_tokens=tokens, train_steps=steps)
     return cols
+
+
+def _missing(v: Any) -> bool:
+    return v is None or v == "" or (isinstance(v, float) and math.isnan(v))
+
+
+def _typed(values: pd.Series) -> pd.Series:
+    """Integers, floats or booleans where every present value is one (texts such as ``16`` included), else text."""
+    present = [v for v in values if not _missing(v)]
+    if present and all(isinstance(v, bool) for v in present):
+        return values.map(lambda v: None if _missing(v) else v).astype("boolean")
+    try:
+        if not present or any(isinstance(v, bool) for v in present):
+            raise ValueError
+        [float(v) for v in present]
+    except (TypeError, ValueError):
+        return values.map(lambda v: "" if _missing(v) else format_value(v)).astype(str)
+    numbers = pd.to_numeric(values.map(lambda v: None if _missing(v) else float(v)), errors="coerce")
+    whole = all(isinstance(v, int) or (isinstance(v, str) and v.strip().lstrip("+-").isdigit()) for v in present)
+    return numbers.astype("Int64" if whole else "float64")
+
+
+def typed_columns(frame: pd.DataFrame, sweep: Sweep) -> pd.DataFrame:
+    """The knob and axis columns of ``frame`` as numbers or booleans where their values allow it."""
+    frame = frame.copy()
+    for col in [*(f"knob_{k}" for k in sweep.knob_names), *sweep.axis_keys]:
+        if col in frame:
+            frame[col] = _typed(frame[col])
+    for col in ("train_tokens", "train_steps"):
+        if col in frame:
+            frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
+    return frame
 
 
 TIDY_COLUMNS = ("source", "task", "step", "tokens", "metric", "value", "stderr")
@@ -285,7 +354,7 @@ def aggregate(root: str | Path | Sweep) -> pd.DataFrame:
     sweep = root if isinstance(root, Sweep) else load_sweep(root)
     rows: list[dict[str, Any]] = []
     for run in sweep.runs:
-        base = _run_columns(run, sweep.knob_names)
+        base = _run_columns(run, sweep)
         if run.metrics is not None and "step" in run.metrics:
             for rec in run.metrics.to_dict("records"):
                 for metric in METRIC_COLUMNS:
@@ -311,8 +380,8 @@ def aggregate(root: str | Path | Sweep) -> pd.DataFrame:
                 rows.append({**base, "source": "eval", "task": str(rec["task"]), "step": final_step,
                              "tokens": final_tokens, "metric": str(rec["metric"]), "value": value,
                              "stderr": _as_float(rec.get("stderr"))})
-    columns = [*_run_column_names(sweep.knob_names), *TIDY_COLUMNS]
-    frame = pd.DataFrame(rows, columns=columns)
+    columns = [*_run_column_names(sweep), *TIDY_COLUMNS]
+    frame = typed_columns(pd.DataFrame(rows, columns=columns), sweep)
     for col in ("step", "tokens"):
         frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
     for col in ("value", "stderr"):
@@ -327,9 +396,9 @@ def runs_frame(sweep: Sweep) -> pd.DataFrame:
     """One row per run: identity, state, last step and message (every run, counted or not)."""
     rows = []
     for run in sweep.runs:
-        rows.append({**_run_columns(run, sweep.knob_names), "step": run.status.get("step"),
+        rows.append({**_run_columns(run, sweep), "step": run.status.get("step"),
                      "counted": run.final_loss is not None, "message": run.message})
-    return pd.DataFrame(rows, columns=[*_run_column_names(sweep.knob_names), "step", "counted", "message"])
+    return typed_columns(pd.DataFrame(rows, columns=[*_run_column_names(sweep), "step", "counted", "message"]), sweep)
 
 
 def save_frame(frame: pd.DataFrame, stem: str | Path) -> list[Path]:

@@ -492,6 +492,9 @@ def describe_plan(p: Plan) -> str:
     lines.append(res)
     if pr.setup:
         lines.append("setup: " + "; ".join(pr.setup))
+    from harness.estimate import describe_costs
+
+    lines.append(describe_costs(p.runs, pr))
     if p.migrations:
         lines.append(f"{len(p.migrations)} run folder(s) of the earlier id scheme will be renamed on submission, "
                      f"e.g. {next(iter(p.migrations.values()))} -> {next(iter(p.migrations))}")

@@ -4,14 +4,17 @@ Every table keeps two frames: ``data`` with the numbers at full precision (writt
 plots read) and ``display`` with the formatted cells. Means over seeds carry a two-sided 95% Student-t
 interval; a difference to a reference variant is paired where the two share seeds (a t-interval of the per-seed
 differences, ``harness.stats.compare``) and a Welch interval only where they do not; the column says which. One
-seed gives no interval, and the cell says so. Only finished runs (state ``done`` with a finite final validation
-loss) enter any average; the rest are listed. A difference is only taken between runs that trained on the same
-number of tokens: a row whose runs trained on another budget than the reference's gets no Δ, and says why.
+seed gives no interval; a note under the table says so once. Only finished runs (state ``done`` with a finite
+final validation loss) enter any average; the rest are listed. A difference is only taken between runs that
+trained on the same number of tokens: a row whose runs trained on another budget than the reference's gets no Δ,
+and says why. Every table is registered with ``@table`` (``harness.report_items``) and built from one
+``Context``; a table without rows raises ``NoData`` and is left out of the report, with its reason.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +26,7 @@ from scipy import stats
 
 from harness.results import Run, Sweep, knobs_text, split_variant
 from harness.io import atomic_write_text
+from harness.report_items import Context, NoData, table
 
 LDM_BASES = ("ldm", "ldm-rls")
 NO_CI = "no CI: one seed"
@@ -94,11 +98,11 @@ def _ppl(run: Run) -> float:
 # -- formatting --------------------------------------------------------------------------------------------
 
 def fmt_ci(mean: float, half: float, n: int, digits: int) -> str:
-    """``3.2100 ± 0.0123``; one seed says that it has no interval."""
+    """``3.2100 ± 0.0123``; without an interval (one seed) the mean alone, which the table's note explains."""
     if n == 0 or math.isnan(mean):
         return "— (no finished run)"
     if math.isnan(half):
-        return f"{mean:.{digits}f} ({NO_CI})"
+        return f"{mean:.{digits}f}"
     return f"{mean:.{digits}f} ± {half:.{digits}f}"
 
 
@@ -106,8 +110,16 @@ def fmt_delta(diff: float, half: float, digits: int) -> str:
     if math.isnan(diff):
         return "—"
     if math.isnan(half):
-        return f"{diff:+.{digits}f} ({NO_CI})"
+        return f"{diff:+.{digits}f}"
     return f"{diff:+.{digits}f} ± {half:.{digits}f}"
+
+
+def one_seed_note(data: pd.DataFrame, column: str = "seeds") -> list[str]:
+    """The note that replaces "no CI" in every cell: which rows have a single seed, said once."""
+    if column not in data or not (data[column] == 1).any():
+        return []
+    return [f"{NO_CI[0].upper()}{NO_CI[1:]}: rows with a single finished seed show the mean alone, without an "
+            "interval."]
 
 
 def fmt_count(value: float) -> str:
@@ -133,10 +145,35 @@ def fmt_ratio(value: float) -> str:
     return "—" if value is None or math.isnan(value) else f"{value:.2f}×"
 
 
-def _with_setting(rows: list[dict], show_setting: bool) -> list[dict]:
-    if show_setting:
-        return rows
-    return [{k: v for k, v in r.items() if k != "Setting"} for r in rows]
+def setting_axes(sweep: Sweep) -> dict[str, dict]:
+    """Setting label -> its typed axis values (``{"n_blocks": 4, "lr": 0.001}``)."""
+    return {run.setting: dict(run.axes) for run in sweep.runs}
+
+
+def _with_axes(data: list[dict], display: list[dict], sweep: Sweep) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Both frames with one column per grid axis in place of the setting label (typed in ``data``)."""
+    axes = setting_axes(sweep)
+    names = list(sweep.axis_keys)
+    data_rows, shown_rows = [], []
+    for row, shown in zip(data, display):
+        values = axes.get(row.get("setting", ""), {})
+        data_rows.append({**row, **{n: values.get(n) for n in names}})
+        head = {n: _axis_text(values.get(n)) for n in names}
+        shown_rows.append({**head, **{k: v for k, v in shown.items() if k != "Setting"}})
+    frame = pd.DataFrame(data_rows)
+    from harness.results import typed_columns
+
+    return typed_columns(frame, sweep), pd.DataFrame(shown_rows)
+
+
+def _axis_text(value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:g}"
+    from harness.registry import format_value
+
+    return format_value(value)
 
 
 # -- the tables --------------------------------------------------------------------------------------------
@@ -225,32 +262,21 @@ def _comparison_notes(used: dict, reference: str, display: list[dict],
     return notes
 
 
-def main_table(sweep: Sweep, baseline: str = "preln") -> Table:
-    """Final validation loss and perplexity per variant, mean ± 95% CI over seeds, and the Welch difference."""
-    baseline = split_variant(baseline)[0]
+@table("main", needs="`summary.json`")
+def main_table(ctx: Context) -> Table:
+    """Final validation loss and perplexity per variant: the mean over seeds ± the half-width of the two-sided 95%
+    Student-t interval, and Δ to the baseline with its 95% interval, paired over shared seeds (Welch where the
+    runs share none), only between runs of one training budget."""
+    sweep, baseline = ctx.sweep, split_variant(ctx.baseline)[0]
     groups = group_runs(sweep.runs)
-    show_setting = any(s for s, _ in groups)
+    if not groups:
+        raise NoData("no run directories")
     data, display, used = _comparison_rows(groups, _ordered_keys(groups, baseline), baseline, with_ppl=True)
-    notes = ["Mean over seeds ± half-width of the two-sided 95% Student-t interval. Only finished runs are "
-             "counted; a cell with one seed has no interval.",
+    notes = ["Mean over seeds ± half-width of the two-sided 95% Student-t interval. Only finished runs are counted.",
              *_comparison_notes(used, baseline, display, data)]
-    return Table("main", "Main comparison: final validation loss and perplexity", pd.DataFrame(data),
-                 pd.DataFrame(_with_setting(display, show_setting)), notes)
-
-
-def ablation_table(sweep: Sweep, reference: str = "ldm-rls") -> Table | None:
-    """One row per knob setting of the LDM family against the default ``ldm-rls``; None without LDM runs."""
-    reference = split_variant(reference)[0]
-    runs = [r for r in sweep.runs if r.base in LDM_BASES]
-    if not runs:
-        return None
-    groups = group_runs(runs)
-    show_setting = any(s for s, _ in groups)
-    data, display, used = _comparison_rows(groups, _ordered_keys(groups, reference), reference, with_ppl=False)
-    notes = [f"Variants whose base is {' or '.join(LDM_BASES)}, against {reference} at its defaults.",
-             *_comparison_notes(used, reference, display, data)]
-    return Table("ablations", f"LDM ablations against the default {reference}", pd.DataFrame(data),
-                 pd.DataFrame(_with_setting(display, show_setting)), notes)
+    data, display = _with_axes(data, display, sweep)
+    notes += one_seed_note(data)
+    return Table("main", "Main comparison: final validation loss and perplexity", data, display, notes)
 
 
 def choose_metric(metrics: set[str]) -> str | None:
@@ -258,88 +284,178 @@ def choose_metric(metrics: set[str]) -> str | None:
     return "acc_norm" if "acc_norm" in metrics else "acc" if "acc" in metrics else None
 
 
-def downstream_table(sweep: Sweep, baseline: str = "preln") -> Table | None:
-    """Accuracy per task (acc_norm where reported, else acc) and the task average, per variant."""
-    baseline = split_variant(baseline)[0]
+def downstream_scores(sweep: Sweep) -> tuple[pd.DataFrame, dict[str, str]]:
+    """One row per finished run × task with the chosen metric's value and lm-eval's stderr, and the metric chosen."""
     finished = [r for r in sweep.finished() if r.eval is not None and {"task", "metric", "value"} <= set(r.eval)]
-    if not finished:
-        return None
     reported: dict[str, set[str]] = defaultdict(set)
     for run in finished:
         for task, metric in zip(run.eval["task"].astype(str), run.eval["metric"].astype(str)):
             reported[task].add(metric)
     chosen = {t: choose_metric(m) for t, m in sorted(reported.items())}
+    rows = []
+    for run in finished:
+        stderr = run.eval["stderr"] if "stderr" in run.eval else [math.nan] * len(run.eval)
+        for t, m, v, e in zip(run.eval["task"].astype(str), run.eval["metric"].astype(str), run.eval["value"],
+                              stderr):
+            if chosen.get(t) == m and not math.isnan(float(v)):
+                rows.append({"setting": run.setting, "variant": run.variant, "seed": run.seed, "task": t,
+                             "value": float(v), "stderr": float(e) if e is not None else math.nan})
+    return pd.DataFrame(rows, columns=["setting", "variant", "seed", "task", "value", "stderr"]), chosen
+
+
+def score_interval(values: list[float], stderrs: list[float]) -> tuple[float, float, str]:
+    """Mean accuracy and the half-width of its 95% interval: over seeds (t) when there are two or more, else
+    lm-eval's own standard error of the one run (normal, 1.96 × stderr)."""
+    mean, half, n = mean_ci(values)
+    if n >= 2:
+        return mean, half, "seeds"
+    if n == 1 and stderrs and not math.isnan(stderrs[0]):
+        return mean, 1.959963984540054 * stderrs[0], "stderr"
+    return mean, math.nan, ""
+
+
+@table("downstream", needs="`eval/table.csv`")
+def downstream_table(ctx: Context) -> Table:
+    """Accuracy per task in percent (`acc_norm` where the task reports it, else `acc`) with its 95% interval —
+    over seeds, or lm-eval's standard error for a single seed — and the average over tasks."""
+    sweep, baseline = ctx.sweep, split_variant(ctx.baseline)[0]
+    scores, chosen = downstream_scores(sweep)
     tasks = [t for t, m in chosen.items() if m]
-    if not tasks:
-        return None
-    groups = group_runs(finished)
-    show_setting = any(s for s, _ in groups)
-    data, display = [], []
+    if scores.empty or not tasks:
+        raise NoData("no finished run has eval/table.csv with acc or acc_norm")
+    groups = group_runs([r for r in sweep.finished() if r.eval is not None])
+    data, display, kinds = [], [], set()
     for setting, variant in _ordered_keys(groups, baseline):
-        runs = groups[(setting, variant)]
-        row = {"setting": setting, "variant": variant, "seeds": len(runs)}
+        mine = scores[(scores["setting"] == setting) & (scores["variant"] == variant)]
+        if mine.empty:
+            continue
+        row = {"setting": setting, "variant": variant, "seeds": int(mine["seed"].nunique())}
+        shown = {"Setting": setting, "Variant": variant, "Seeds": str(row["seeds"])}
         for task in tasks:
-            values = [float(v) for run in runs for t, m, v in zip(run.eval["task"].astype(str),
-                                                                    run.eval["metric"].astype(str),
-                                                                    run.eval["value"])
-                      if t == task and m == chosen[task] and not math.isnan(float(v))]
-            row[task] = float(np.mean(values)) if values else math.nan
-        present = [row[t] for t in tasks if not math.isnan(row[t])]
-        row["average"] = float(np.mean(present)) if len(present) == len(tasks) else math.nan
+            cell = mine[mine["task"] == task]
+            mean, half, kind = score_interval(list(cell["value"]), list(cell["stderr"]))
+            kinds.add(kind)
+            row[task], row[f"{task}_ci95"] = mean, half
+            shown[task] = "—" if math.isnan(mean) else (f"{100 * mean:.1f}" if math.isnan(half) else
+                                                         f"{100 * mean:.1f} ± {100 * half:.1f}")
+        per_seed = mine.pivot_table(index="seed", columns="task", values="value").reindex(columns=tasks)
+        complete = per_seed.dropna()
+        avg, avg_half, _ = mean_ci(complete.mean(axis=1)) if len(complete) else (math.nan, math.nan, 0)
+        row["average"], row["average_ci95"] = avg, avg_half
+        shown["Average"] = "—" if math.isnan(avg) else (f"{100 * avg:.1f}" if math.isnan(avg_half) else
+                                                        f"{100 * avg:.1f} ± {100 * avg_half:.1f}")
         data.append(row)
-        shown = {"Setting": setting, "Variant": variant, "Seeds": str(len(runs))}
-        shown.update({t: "—" if math.isnan(row[t]) else f"{100 * row[t]:.1f}" for t in tasks})
-        shown["Average"] = "—" if math.isnan(row["average"]) else f"{100 * row['average']:.1f}"
         display.append(shown)
+    data, display = _with_axes(data, display, sweep)
     metric_list = ", ".join(f"{t}: {m}" for t, m in chosen.items() if m)
-    notes = [f"Accuracy in percent, mean over the finished runs with downstream results. Metric per task: "
-             f"{metric_list}. The average is over all tasks and is left blank where a task is missing."]
+    notes = [f"Accuracy in percent with a 95% interval: the Student-t interval over seeds where a row has two or "
+             f"more, else 1.96 × lm-eval's standard error of the single run. Metric per task: {metric_list}. The "
+             "average is over all tasks of each seed that has every task, then over seeds."]
     skipped = [t for t, m in chosen.items() if not m]
     if skipped:
         notes.append(f"Tasks without acc or acc_norm, not shown: {', '.join(skipped)}.")
-    return Table("downstream", "Downstream accuracy", pd.DataFrame(data),
-                 pd.DataFrame(_with_setting(display, show_setting)), notes)
+    return Table("downstream", "Downstream accuracy", data, display, notes)
+
+
+@table("ablations", needs="runs of `ldm` or `ldm-rls`")
+def ablation_table(ctx: Context) -> Table:
+    """One row per knob setting of the variants whose base is `ldm` or `ldm-rls`, against the report's
+    `ablation_reference` (default `ldm-rls`): mean ± t-interval and Δ with its paired interval."""
+    sweep, reference = ctx.sweep, split_variant(ctx.ablation_reference)[0]
+    runs = [r for r in sweep.runs if r.base in LDM_BASES]
+    if not runs:
+        raise NoData("no run of ldm or ldm-rls")
+    groups = group_runs(runs)
+    data, display, used = _comparison_rows(groups, _ordered_keys(groups, reference), reference, with_ppl=False)
+    notes = [f"Variants whose base is {' or '.join(LDM_BASES)}, against {reference}.",
+             *_comparison_notes(used, reference, display, data)]
+    data, display = _with_axes(data, display, sweep)
+    notes += one_seed_note(data)
+    return Table("ablations", f"LDM ablations against {reference}", data, display, notes)
 
 
 COST_FIELDS = ("params", "extra_params", "stream_floats_per_token", "extra_flops_per_token", "tokens_per_s",
                "peak_mem_bytes")
+MEMORY_METHODS = {"cuda": "torch.cuda.max_memory_allocated over training",
+                  "cpu": "the CPU allocator's live-byte peak of one profiled training step plus the parameters, "
+                         "gradients and optimizer state (as `depthmem bench` measures it)"}
 
 
-def cost_table(sweep: Sweep, baseline: str = "preln") -> Table | None:
-    """Parameters, stream floats per token, throughput and peak memory per variant, relative to the baseline."""
-    baseline = split_variant(baseline)[0]
+def cores_shared(run: Run) -> bool | None:
+    """Whether a run trained on CPU cores that other work also used (load average above its cores), or None
+    when its summary does not say."""
+    s = run.summary or {}
+    if "cores_shared" in s:
+        return bool(s["cores_shared"])
+    return None
+
+
+def memory_method(run: Run) -> str | None:
+    """``cuda`` or ``cpu`` for an allocator peak; None for older summaries whose peak is the process RSS."""
+    method = (run.summary or {}).get("peak_mem_method")
+    return method if method in MEMORY_METHODS else None
+
+
+@table("cost", needs="`summary.json`")
+def cost_table(ctx: Context) -> Table:
+    """Parameters, extra parameters, stream floats and extra FLOPs per token, tokens/s and the training step's
+    allocator peak memory, averaged over seeds, with ratios to the baseline. Throughput from runs that shared
+    CPU cores is marked and gets no ratio."""
+    sweep, baseline = ctx.sweep, split_variant(ctx.baseline)[0]
     finished = [r for r in sweep.finished() if r.summary]
     if not finished:
-        return None
+        raise NoData("no finished run has a summary.json")
     groups = group_runs(finished)
-    show_setting = any(s for s, _ in groups)
 
     def field_mean(runs: list[Run], name: str) -> float:
+        if name == "peak_mem_bytes":
+            runs = [r for r in runs if memory_method(r)]
         values = [float(r.summary[name]) for r in runs if isinstance(r.summary.get(name), (int, float))]
         return float(np.mean(values)) if values else math.nan
 
-    data, display = [], []
+    data, display, methods, rss, shared_rows = [], [], set(), False, False
     for setting, variant in _ordered_keys(groups, baseline):
         runs, ref = groups[(setting, variant)], groups.get((setting, baseline), [])
         row = {"setting": setting, "variant": variant, "seeds": len(runs)}
         row.update({name: field_mean(runs, name) for name in COST_FIELDS})
+        row["peak_mem_method"] = ",".join(sorted({m for r in runs if (m := memory_method(r))}))
+        methods.update(m for r in runs if (m := memory_method(r)))
+        rss = rss or any(memory_method(r) is None for r in runs)
+        shared = any(cores_shared(r) for r in runs + ref)
+        row["cores_shared"] = shared
         for name in ("params", "tokens_per_s", "peak_mem_bytes"):
             ref_value = field_mean(ref, name) if ref else math.nan
             row[f"{name}_rel"] = row[name] / ref_value if ref_value and not math.isnan(ref_value) else math.nan
+        if shared:
+            row["tokens_per_s_rel"] = math.nan
+            shared_rows = True
         data.append(row)
+        speed = f"{fmt_count(row['tokens_per_s'])} (shared cores)" if shared else \
+            f"{fmt_count(row['tokens_per_s'])} ({fmt_ratio(row['tokens_per_s_rel'])})"
         display.append({
             "Setting": setting, "Variant": variant,
             "Params": f"{fmt_count(row['params'])} ({fmt_ratio(row['params_rel'])})",
             "Extra params": fmt_count(row["extra_params"]),
             "Stream floats/token": fmt_count(row["stream_floats_per_token"]),
             "Extra FLOPs/token": fmt_count(row["extra_flops_per_token"]),
-            "Tokens/s": f"{fmt_count(row['tokens_per_s'])} ({fmt_ratio(row['tokens_per_s_rel'])})",
-            "Peak memory": f"{fmt_bytes(row['peak_mem_bytes'])} ({fmt_ratio(row['peak_mem_bytes_rel'])})",
+            "Tokens/s": speed,
+            "Peak memory (allocator)": f"{fmt_bytes(row['peak_mem_bytes'])} ({fmt_ratio(row['peak_mem_bytes_rel'])})",
         })
+    data, display = _with_axes(data, display, sweep)
     notes = [f"From each finished run's summary.json, mean over seeds; ratios in parentheses are relative to "
-             f"{baseline} in the same setting. Throughput and memory depend on the hardware the runs used."]
-    return Table("cost", "Cost relative to the baseline", pd.DataFrame(data),
-                 pd.DataFrame(_with_setting(display, show_setting)), notes)
+             f"{baseline} in the same setting."]
+    if methods:
+        notes.append("Peak memory is the training step's allocator peak: "
+                     + "; ".join(f"{m.upper()} runs: {MEMORY_METHODS[m]}" for m in sorted(methods)) + ".")
+    if rss:
+        notes.append("Runs whose summary.json does not say how peak memory was measured (older runs recorded the "
+                     "process's peak RSS, which counts tokenizer training and the Python heap) are left out of the "
+                     "memory column.")
+    if shared_rows:
+        notes.append("Tokens/s marked (shared cores) comes from runs that trained while other work used the same "
+                     "CPU cores (the run's threads and the other runnable tasks, sampled at every logged step, "
+                     "outnumbered the cores), so it is no measure of the variant's cost and gets no ratio.")
+    return Table("cost", "Cost relative to the baseline", data, display, notes)
 
 
 BENCH_COLUMNS = ("variant", "depth", "width", "seq_len", "step_time_ms", "ratio_time", "peak_mem_bytes", "ratio_mem")
@@ -355,9 +471,46 @@ def read_bench(path: Path) -> pd.DataFrame:
     return frame.sort_values(["variant", "depth", "width", "seq_len"], kind="stable").reset_index(drop=True)
 
 
-def bench_table(bench: pd.DataFrame, baseline: str = "preln") -> Table:
+@table("compute_multiplier", needs="finished runs of at least three model sizes at one tokens-per-parameter budget, "
+                                  "baseline included")
+def compute_multiplier_table(ctx: Context) -> Table:
+    """The compute multiplier of every variant: the factor of the baseline's training compute that the baseline's
+    fitted power law needs to reach the variant's loss, per model size and as the geometric mean over sizes, with
+    a 95% bootstrap interval over seeds."""
+    from harness import frontier
+
+    result = ctx.cached("frontier", lambda: frontier.from_sweep(ctx.sweep, ctx.baseline))
+    rows = result.multipliers
+    if rows.empty:
+        raise NoData(result.reason or "no variant besides the baseline has frontier points")
+    display = pd.DataFrame({
+        "Variant": rows["variant"],
+        "Size": ["all (geometric mean)" if math.isnan(p) else f"{fmt_count(p)} params" for p in rows["params"]],
+        "Seeds": rows["seeds"].astype(str),
+        "Train FLOPs": [fmt_count(c) if not math.isnan(c) else "—" for c in rows["flops"]],
+        "Loss": ["—" if math.isnan(v) else f"{v:.4f}" for v in rows["loss"]],
+        "Compute multiplier (95% CI)": [
+            fmt_ratio(m) if math.isnan(lo) else f"{m:.2f}× [{lo:.2f}, {hi:.2f}]"
+            for m, lo, hi in zip(rows["multiplier"], rows["low"], rows["high"])]})
+    fits = "; ".join(f"{r.variant}: L = {r.a:.3g} · C^(−{r.b:.4f})" for r in result.fits.itertuples())
+    notes = [f"Each point is a model size trained at {result.budget_text}; C is training compute, 3 × forward FLOPs "
+             f"per token × training tokens. The power law L = a · C^(−b) is fitted by least squares in log–log "
+             f"space per variant ({fits}). The multiplier is C_{result.baseline}(L) / C, where C_{result.baseline}(L) "
+             f"inverts the {result.baseline} fit: above 1 means the variant reaches its loss with less compute than "
+             f"{result.baseline} would need. Intervals: percentile bootstrap over seeds "
+             f"({frontier.BOOTSTRAP} resamples, seeds resampled jointly across sizes and variants), refitting "
+             f"{result.baseline}'s law in every resample."]
+    if (rows["seeds"] < 2).any():
+        notes.append("Rows with a single seed have no interval.")
+    return Table("compute_multiplier", f"Compute multiplier against {result.baseline}", rows, display, notes)
+
+
+@table("bench", needs="a benchmark CSV (`--bench`, `report.bench`, or `bench.csv` in the sweep folder)")
+def bench_table(ctx: Context) -> Table:
     """The benchmark's step time and peak memory per variant and size, with ratios to the baseline."""
-    baseline = split_variant(baseline)[0]
+    bench, baseline = ctx.bench, split_variant(ctx.baseline)[0]
+    if bench is None or bench.empty:
+        raise NoData("no benchmark CSV (results/<sweep>/bench.csv or --bench)")
     order = {v: i for i, v in enumerate(variant_order(bench["variant"], baseline))}
     data = bench.assign(_o=bench["variant"].map(order)).sort_values(
         ["_o", "depth", "width", "seq_len"], kind="stable").drop(columns="_o").reset_index(drop=True)
@@ -371,10 +524,13 @@ def bench_table(bench: pd.DataFrame, baseline: str = "preln") -> Table:
     return Table("bench", "Measured overhead (benchmark)", data[list(BENCH_COLUMNS)], display, notes)
 
 
-def runs_table(sweep: Sweep) -> Table:
+@table("excluded_runs", needs="always built when some run is left out", always=True)
+def runs_table(ctx: Context) -> Table:
     """Every run kept out of the averages (failed, diverged, unfinished, or without a final loss) and why."""
     data, display = [], []
-    for run in sweep.excluded():
+    if not ctx.sweep.excluded():
+        raise NoData("every run finished and counts")
+    for run in ctx.sweep.excluded():
         reason = run.message
         if run.state == "done":
             reason = reason or "finished without a readable final validation loss in summary.json"
@@ -412,13 +568,27 @@ def _latex_escape(text: str) -> str:
     return "".join(_LATEX_SPECIALS.get(ch, ch) for ch in text)
 
 
+_NUMERIC_CELL = re.compile(r"^[-+−]?(\d[\d.,]*|—)")
+
+
+def column_alignment(display: pd.DataFrame) -> str:
+    """``r`` for a column of numbers (at least half its cells begin with one; the rest are dashes or words such
+    as ``reference``), ``l`` for text."""
+    spec = ""
+    for col in display.columns:
+        cells = [str(v) for v in display[col]]
+        numbers = sum(bool(_NUMERIC_CELL.match(c)) and any(ch.isdigit() for ch in c[:2]) for c in cells)
+        spec += "r" if cells and 2 * numbers >= len(cells) else "l"
+    return spec
+
+
 def to_latex(table: Table) -> str:
-    """The table as a LaTeX ``table`` float with booktabs rules (needs ``\\usepackage{booktabs}``)."""
+    """The table as a LaTeX ``table`` float with booktabs rules (``\\usepackage{booktabs}``), numbers on the right."""
     styler = table.display.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
     caption = table.title + (". " + " ".join(table.notes) if table.notes else "")
     text = styler.to_latex(hrules=True, caption=_latex_escape(caption), label=f"tab:{table.name}",
                            position="t", position_float="centering",
-                           column_format="l" * len(table.display.columns))
+                           column_format=column_alignment(table.display))
     for symbol, latex in _LATEX_SYMBOLS.items():
         text = text.replace(symbol, latex)
     return text

@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import random
-import resource
 import sys
 import time
 import warnings
@@ -41,6 +40,7 @@ from harness.budget import seq_len_of
 from harness.config import RunConfig
 from harness.errors import RunFailed, UsageError
 from harness.io import append_bytes, atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_path, read_json
+from harness.memory import AllocatorPeak, CoreLoad, live_training_bytes
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
@@ -85,6 +85,17 @@ def total_steps(cfg: RunConfig) -> int:
     return budget.train_steps(cfg)
 
 
+def accumulation(cfg: RunConfig) -> int:
+    """Forward/backward passes per optimizer step: the global batch over processes x micro batch."""
+    t = cfg.train
+    world = t.devices * t.num_nodes
+    micro = t.micro_batch_size or t.batch_size // world
+    if t.batch_size % (world * micro):
+        raise UsageError(f"train.batch_size ({t.batch_size}) must be a multiple of devices x nodes x "
+                         f"train.micro_batch_size ({t.devices} x {t.num_nodes} x {micro} = {world * micro}).")
+    return t.batch_size // (world * micro)
+
+
 def global_grad_norm(grads: list[torch.Tensor], block: int = 4096) -> float:
     """L2 norm of all gradients together, to float64 accuracy without a float64 copy of them.
 
@@ -121,12 +132,6 @@ def _set_rng_states(s: dict) -> None:
     kind, keys, pos, has_gauss, gauss = s["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(s["torch"])
-
-
-def peak_memory_bytes() -> int:
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def _csv_text(columns: list[str], rows: list[dict], header: bool = True) -> str:
@@ -263,11 +268,14 @@ class StepBatches(torch.utils.data.IterableDataset):
     def __iter__(self):
         start, rank, world = self.context()  # read at iteration time: after a checkpoint is restored
         rows = datalib.rank_slice(self.cfg.train.batch_size, rank, world)
+        passes = accumulation(self.cfg)
         for step in range(start, self.total):
             batch = datalib.train_batch(self.tokens, seed=self.cfg.train.seed, step=step,
                                         batch_size=self.cfg.train.batch_size, seq_len=seq_len_of(self.cfg))
-            w = torch.from_numpy(batch[rows])  # (b_local, t + 1)
-            yield {"step": step, "x": w[:, :-1], "y": w[:, 1:]}
+            # The same rows as without accumulation, in equal consecutive parts: the mean of the parts' mean
+            # losses is the mean over the rank's share, so the update does not change.
+            for micro, w in enumerate(torch.from_numpy(batch[rows]).chunk(passes)):  # (b_micro, t + 1)
+                yield {"step": step, "micro": micro, "last": micro == passes - 1, "x": w[:, :-1], "y": w[:, 1:]}
 
 
 class LitDecoder(pl.LightningModule):
@@ -288,6 +296,7 @@ class LitDecoder(pl.LightningModule):
         self.step_lr: float | None = None
         self.step_layer_grads: list[float] | None = None
         self.diverged: dict | None = None
+        self._loss_sum: torch.Tensor | None = None  # summed over the passes of the current step
 
     def forward(self, idx):
         return self.model(idx)
@@ -297,14 +306,15 @@ class LitDecoder(pl.LightningModule):
             raise RuntimeError(f"data step {int(batch['step'])} does not match optimizer step {self.global_step}")
         logits = self.model(batch["x"])  # (b, t, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
-        self._loss = loss.detach()
+        self._loss_sum = loss.detach() if int(batch["micro"]) == 0 else self._loss_sum + loss.detach()
         self.log("train_loss", loss.detach(), prog_bar=True, batch_size=batch["x"].shape[0])
         return loss
 
     def on_before_optimizer_step(self, optimizer):
         # Gradients are synchronized across ranks here and not yet clipped.
         grad_norm = global_grad_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        loss = float(self.trainer.strategy.reduce(self._loss.float(), reduce_op="mean"))
+        mean = self._loss_sum.float() / self.trainer.accumulate_grad_batches
+        loss = float(self.trainer.strategy.reduce(mean, reduce_op="mean"))
         self.step_loss, self.step_grad_norm = loss, grad_norm
         self.step_lr = optimizer.param_groups[0]["lr"]
         step = self.global_step + 1
@@ -339,7 +349,7 @@ class LitDecoder(pl.LightningModule):
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, tokens, bytes
         was_training = self.model.training
         self.model.eval()
-        per = max(1, self.cfg.train.batch_size // world)
+        per = max(1, self.cfg.train.micro_batch_size or self.cfg.train.batch_size // world)
         with self.trainer.precision_plugin.forward_context():
             for w in mine.split(per):
                 w = w.to(self.device)
@@ -440,6 +450,8 @@ class RunFiles(pl.Callback):
             self._write_row(trainer, row)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if not batch["last"]:
+            return  # an accumulation pass: the step is not taken yet
         step, t = trainer.global_step, self.cfg.train
         self.last_loss = module.step_loss if module.diverged is None else self.last_loss
         logged = step % t.log_every_steps == 0 or step in (1, module.total) or module.diverged is not None
@@ -510,6 +522,45 @@ class StepProgressBar(TQDMProgressBar):
         return items
 
 
+class StepCosts(pl.Callback):
+    """The training step's allocator peak and, on CPU, whether other work shared the cores.
+
+    On CUDA the peak is ``torch.cuda.max_memory_allocated`` over the whole segment. On CPU one step is profiled
+    (the second of the segment, once the optimizer holds its state): the allocator's peak above the step's start,
+    plus the parameters, gradients and optimizer state live at its start, as ``depthmem bench`` counts a step.
+    """
+
+    def __init__(self, resume_step: int, total: int):
+        self.at_step = min(resume_step + 1, total - 1)
+        self.peak: int | None = None
+        self.method: str | None = None
+        self.load = CoreLoad()
+        self._meter: AllocatorPeak | None = None
+        self._live = 0
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if module.device.type == "cpu" and trainer.global_step == self.at_step:
+            self._live = live_training_bytes(module.model, trainer.optimizers)
+            self._meter = AllocatorPeak("cpu")
+            self._meter.start()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self._meter is not None:
+            self.peak, self.method, self._meter = self._live + self._meter.stop(), "cpu", None
+        if module.device.type == "cpu" and trainer.global_step % module.cfg.train.log_every_steps == 0:
+            self.load.sample()
+
+    def on_train_end(self, trainer, module):
+        if module.device.type == "cuda":
+            self.peak, self.method = int(torch.cuda.max_memory_allocated(module.device)), "cuda"
+
+    def summary(self, module) -> dict:
+        out: dict = {"peak_mem_bytes": self.peak, "peak_mem_method": self.method}
+        if module.device.type == "cpu":
+            out.update(self.load.summary(torch.get_num_threads()))
+        return out
+
+
 def _cluster_environment():
     from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 
@@ -545,6 +596,7 @@ def _trainer(cfg: RunConfig, callbacks: list, run_dir: Path, total: int, plain_l
             deterministic=True if accelerator == "cpu" else "warn", logger=loggers or False,
             callbacks=callbacks, enable_checkpointing=False, enable_model_summary=False,
             enable_progress_bar=not plain_logs, log_every_n_steps=t.log_every_steps, limit_val_batches=0,
+            accumulate_grad_batches=accumulation(cfg),
             num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(run_dir))
     except ModuleNotFoundError as e:
         raise UsageError(f"train.logger={t.logger} needs a package that is not installed: pip install {e.name}.") \
@@ -695,6 +747,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     if cfg.train.batch_size % world:
         raise UsageError(f"train.batch_size ({cfg.train.batch_size}) must be divisible by the number of "
                          f"processes ({world}).")
+    accumulation(cfg)
     seq_len = seq_len_of(cfg)
     if seq_len > cfg.model.max_seq_len:
         raise UsageError(f"train.seq_len ({seq_len}) must not exceed model.max_seq_len ({cfg.model.max_seq_len}).")
@@ -735,8 +788,10 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     module = LitDecoder(cfg, model, total=total, val_windows=torch.from_numpy(val), byte_lengths=byte_lengths,
                         tokenizer_spec=tok.spec())
     files = RunFiles(cfg, run_dir, ckpt_path, resume_step, plain_logs)
+    costs = StepCosts(resume_step, total)
     _quiet_lightning()
-    trainer = _trainer(cfg, [files] if plain_logs else [files, StepProgressBar(files)], run_dir, total, plain_logs)
+    callbacks = [files, costs] if plain_logs else [files, costs, StepProgressBar(files)]
+    trainer = _trainer(cfg, callbacks, run_dir, total, plain_logs)
     dataset = StepBatches(tokens.train, cfg, total,
                           lambda: (trainer.global_step, trainer.global_rank, trainer.world_size))
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
@@ -794,7 +849,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         "params": model.num_params(), "extra_params": _plus(_safe_cost(mixer.extra_params), widened_params),
         "stream_floats_per_token": _safe_cost(mixer.stream_floats_per_token),
         "extra_flops_per_token": _plus(_safe_cost(mixer.extra_flops_per_token), widened_flops),
-        "tokens_per_s": files.segment_tokens_per_s, "peak_mem_bytes": peak_memory_bytes(), "wall_s": wall,
+        "tokens_per_s": files.segment_tokens_per_s, **costs.summary(module), "wall_s": wall,
     }
     if files.depth_stats:
         summary["depth_memory"] = {k: v for k, v in files.depth_stats[-1].items() if k != "step"}

@@ -15,6 +15,7 @@ from harness import figures as figs
 from harness.results import aggregate, load_sweep, split_variant
 from harness.cli import main as cli_main
 from harness.errors import UsageError
+from harness.report_items import Context
 from harness.reporting import report, report_spec, resolve_target
 
 pytestmark = pytest.mark.xdist_group("report")
@@ -65,6 +66,7 @@ def _write_run(folder, variant, seed, state, message, rng):
                "tokens": 40000, "params": 100000 + 1000 * len(variant), "extra_params": 1000 * len(variant),
                "stream_floats_per_token": 64 * (1 + len(variant) % 3), "extra_flops_per_token": 5000,
                "tokens_per_s": float(rng.uniform(900, 1100)), "peak_mem_bytes": int(rng.uniform(1e8, 2e8)),
+               "peak_mem_method": "cpu", "cores_shared": False, "train_tokens": 40000, "train_steps": 40,
                "wall_s": 12.5}
     (folder / "summary.json").write_text(json.dumps(summary))
     matrix = np.tril(rng.uniform(0.1, 1.0, (N_LAYERS + 1, N_LAYERS + 1)))
@@ -161,7 +163,10 @@ def test_main_table_means_and_cis_match_scipy(sweep_tree):
     one_seed = _row(main, "attnres")
     assert one_seed["seeds"] == 1 and math.isnan(one_seed["val_loss_ci95"]) and math.isnan(one_seed["delta_ci95"])
     text = sweep_tree["report"].read_text()
-    assert f"{_losses(sweep_tree, 'attnres')[0]:.4f} (no CI: one seed)" in text
+    # One seed: the cell holds the mean alone, and a note under the table says why, once per table.
+    assert f"| {_losses(sweep_tree, 'attnres')[0]:.4f} " in text and "(no CI: one seed)" not in text
+    main_section = text.split("## Main comparison")[1].split("\n## ")[0]
+    assert main_section.count("No CI: one seed") == 1
     x = _losses(sweep_tree, "ldm-rls")
     half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
     assert f"{x.mean():.4f} ± {half:.4f}" in text
@@ -244,7 +249,10 @@ def test_aggregate_is_one_tidy_row_per_run_step_metric(sweep_tree):
             "tokens", "metric", "value", "stderr"} <= set(tidy.columns)
     assert not tidy.duplicated(["run_dir", "source", "task", "step", "metric"]).any()
     groups4 = tidy[tidy["variant"] == split_variant("ldm-rls(groups=4)")[0]]
-    assert set(groups4["base"]) == {"ldm-rls"} and set(groups4["knob_groups"]) == {"4"}
+    assert set(groups4["base"]) == {"ldm-rls"} and set(groups4["knob_groups"]) == {4}
+    assert str(tidy["knob_groups"].dtype) == "Int64" and set(tidy["knob_omega"]) - {""} == {"on", "off"}
+    done = tidy[tidy["state"] == "done"]
+    assert str(tidy["train_tokens"].dtype) == "Int64" and set(done["train_tokens"].dropna()) == {40000}
     assert set(groups4["knobs"]) == {"groups=4"} and set(groups4["preset"]) == {"tiny"}
     # val_loss is blank on odd rows of metrics.csv: 3 of 5 steps for a finished run.
     curve = groups4[(groups4["source"] == "train") & (groups4["metric"] == "val_loss") & (groups4["seed"] == 0)]
@@ -258,22 +266,33 @@ def test_aggregate_is_one_tidy_row_per_run_step_metric(sweep_tree):
     assert len(pd.read_csv(sweep_tree["out"] / "aggregate.csv")) == len(tidy)
 
 
+# Figures this tree has no data for (no numeric axis, no sizes, no depth memory): tests/test_figures.py draws them.
+NOT_HERE = {"hyperparameters", "depth", "frontier", "lambda", "omega"}
+
+
 def test_every_figure_is_written_with_its_panels(sweep_tree):
     out, text = sweep_tree["out"], sweep_tree["report"].read_text()
-    for name in figs.FIGURES:
+    for name in set(figs.FIGURES) - NOT_HERE:
         for ext in ("png", "pdf"):
             assert (out / "figures" / f"{name}.{ext}").stat().st_size > 1000
         assert f"](figures/{name}.png)" in text
+    for name in NOT_HERE:
+        assert f"- figure `{name}`: " in text and not (out / "figures" / f"{name}.png").exists()
     sweep = load_sweep(sweep_tree["root"])
     colours = figs.palette(r.variant for r in sweep.runs)
+    ctx = Context(sweep, colours=colours)
     with_mixing = {r.variant for r in sweep.finished()}
-    fig, _ = figs.mixing_matrices(sweep)
+    fig, _ = figs.mixing_matrices(ctx)
     assert sorted(ax.get_title() for ax in fig.axes if ax.get_title()) == sorted(with_mixing)
-    fig, _ = figs.ablation_grid(sweep)
+    # One colour scale: every heatmap's colour limits are the same.
+    limits = {tuple(round(v, 12) for v in coll.get_clim()) for ax in fig.axes for coll in ax.collections
+              if coll.get_array() is not None and None not in coll.get_clim()}
+    assert len(limits) == 1 and len([ax for ax in fig.axes if ax.get_title()]) == len(with_mixing)
+    fig, _ = figs.ablation_grid(ctx)
     assert len([ax for ax in fig.axes if ax.get_title().startswith("ω")]) == 2  # omega on (default) and off
-    fig, _ = figs.layer_profiles(sweep, colours)
+    fig, _ = figs.layer_profiles(ctx)
     assert len(fig.axes) == 2
-    fig, _ = figs.loss_curves(sweep, colours)
+    fig, _ = figs.loss_curves(ctx)
     line_colours = {line.get_color() for line in fig.axes[0].get_lines()}
     assert {colours[v] for v in with_mixing} <= line_colours  # each variant in its fixed colour
 
@@ -325,7 +344,7 @@ def test_bad_input_is_one_sentence_naming_allowed_values(tmp_path, capsys, monke
     assert cli_main(["report", "no-such-sweep"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("depthmem: No sweep 'no-such-sweep'") and "\n" not in err
-    with pytest.raises(UsageError, match="Allowed: main, downstream, ablations, cost, bench"):
+    with pytest.raises(UsageError, match="Allowed: main, downstream, ablations, cost, "):
         report_spec({"tables": ["mian"]})
     with pytest.raises(UsageError, match="Allowed keys"):
         report_spec({"figure": ["mixing"]})
@@ -357,7 +376,7 @@ def test_runs_of_different_budgets_are_never_compared(tmp_path, rng_seed):
     rng = np.random.default_rng(rng_seed)
     # One config for all, but ldm-rls trained on more tokens (a budget counted from each run's own parameters).
     sweep = _budget_runs(tmp_path / "s", [("preln", 1000, None), ("ldm-rls", 2000, None), ("ldm", 1000, None)], rng)
-    table = tables.main_table(sweep)
+    table = tables.main_table(Context(sweep))
     assert math.isnan(_row(table.data, "ldm-rls")["delta"]) and not math.isnan(_row(table.data, "ldm")["delta"])
     shown = table.display.set_index("Variant")
     assert shown.loc["ldm-rls", "Δ loss vs preln (95% CI, method)"] == \
@@ -377,8 +396,10 @@ def test_a_budget_varied_on_purpose_is_shown_and_compared_within_each_budget(tmp
     rng = np.random.default_rng(rng_seed)
     sweep = _budget_runs(tmp_path / "s", [("preln", 1000, 1000), ("ldm-rls", 1000, 1000), ("preln", 3000, 3000),
                                           ("ldm-rls", 3000, 3000)], rng)
-    table = tables.main_table(sweep)
+    table = tables.main_table(Context(sweep))
     assert list(table.display["Train tokens"]) == ["1.00K", "1.00K", "3.00K", "3.00K"]
-    assert set(table.display["Setting"]) == {"train.tokens=1000", "train.tokens=3000"}
+    # The budget is a grid axis: a typed column of its own (named apart from the budget columns).
+    assert list(table.display["axis_train_tokens"]) == ["1000", "1000", "3000", "3000"]
+    assert list(table.data["axis_train_tokens"]) == [1000, 1000, 3000, 3000]
     assert table.data["delta"].notna().all() and set(table.data["delta_method"]) == {"", "paired t"}
     assert any("training budget differs between rows" in n for n in table.notes)

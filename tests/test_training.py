@@ -104,6 +104,10 @@ def test_run_directory_contract_and_falling_loss(preln_run):
     assert (summary["train_steps"], summary["train_tokens"]) == (24, 24 * 8 * 32)
     assert "depth_memory" not in summary and not (run / "depth_stats.jsonl").exists()  # PreLN learns no λ or ω
     assert summary["val_ppl"] == pytest.approx(math.exp(val[24]))
+    # The training step's allocator peak, not the process's RSS (hundreds of MiB of interpreter and libraries):
+    # above the weights, gradients and AdamW's two moments, far below the process.
+    assert summary["peak_mem_method"] == "cpu" and 16 * summary["params"] < summary["peak_mem_bytes"] < 2**27
+    assert isinstance(summary["cores_shared"], bool) and summary["cpu_cores"] >= 1
     mixing = json.loads((run / "mixing.json").read_text())
     assert len(mixing["matrix"]) == 5
 

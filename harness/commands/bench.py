@@ -64,6 +64,9 @@ def add_parser(sub):
     p.add_argument("--out", default="results/bench", help="folder for bench.csv and the plot")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny preset, one depth, one repeat (explicit flags still win)")
+    p.add_argument("--compile", action="store_true",
+                   help="measure what torch.compile gains instead: each variant's step eager and compiled, "
+                        "at the first sequence length (writes compile.csv)")
     p.add_argument("--no-references", action="store_true",
                    help="skip timing each variant against the straightforward implementation of its own math")
     p.add_argument("--require-quiet", action="store_true",
@@ -79,6 +82,27 @@ def add_parser(sub):
     loop.add_argument("--val-batches", type=int, default=3, help="batches per validation (default: 3)")
     loop.add_argument("--ckpt-every", type=int, default=50, help="harness checkpoint interval (default: 50)")
     return p
+
+
+def _run_compile(args, settings) -> int:
+    from pathlib import Path
+
+    from harness.compile_bench import compile_gain
+    from harness.io import atomic_write_text
+
+    df = compile_gain(settings["variants"], preset=settings["preset"], seq_len=settings["seqs"][0],
+                      batch_size=settings["batch_size"], device=settings["device"], dtype=settings["dtype"],
+                      repeats=settings["repeats"], warmup=settings["warmup"], seed=settings["seed"],
+                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    meta = df.attrs["meta"]
+    print(f"torch.compile against eager: preset {meta['preset']}, seq {meta['seq_len']}, batch {meta['batch_size']}, "
+          f"{meta['device']} {meta['dtype']}, {meta['threads']} threads, median of {meta['repeats']} alternating steps")
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "compile.csv", df.to_csv(index=False))
+    print(f"\nwrote {out}/compile.csv")
+    return 0
 
 
 def run_loop(args) -> int:
@@ -127,6 +151,8 @@ def run(args) -> int:
             print(f"{key}: {value}")
         return 0
 
+    if args.compile:
+        return _run_compile(args, settings)
     df = B.bench(**settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     meta = df.attrs["meta"]
     print(f"device {meta['device']} {meta['gpu']}".rstrip() + f", dtype {meta['dtype']}, threads {meta['threads']}, "

@@ -1,0 +1,68 @@
+"""The dry run's cost estimate, checked against counted FLOPs and a built model."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from harness.cli import main
+from harness.config import build_config
+from harness.costs import preln_flops_per_token
+from harness.dispatch import Profile
+from harness.estimate import run_cost
+from harness.factory import build_model
+
+
+def test_preln_run_cost_matches_counted_flops_and_parameters():
+    cfg = build_config({"model": {"preset": "tiny"}, "train": {"max_steps": 10, "batch_size": 8, "seq_len": 32}})
+    torch.manual_seed(0)
+    model = build_model(cfg.model, "preln")
+    idx = torch.randint(0, cfg.model.vocab_size, (1, 32))
+    with FlopCounterMode(display=False) as counter:
+        model(idx)
+    # The counter sees every matrix multiply but not the CPU attention kernel: its scores and weighted sum,
+    # 4 T d per token and attention layer in closed form, are added by hand.
+    counted = counter.get_total_flops() + cfg.model.n_blocks * 4 * 32 * 32 * cfg.model.d_model
+    assert preln_flops_per_token(cfg.model, 32) * 32 == counted
+    cost = run_cost(cfg, peak_tflops=100.0, utilisation=0.5)
+    tokens = 10 * 8 * 32
+    assert (cost["params"], cost["steps"], cost["tokens"]) == (model.num_params(), 10, tokens)
+    assert cost["train_flops"] == 3 * counted / 32 * tokens
+    assert cost["gpu_hours"] == pytest.approx(cost["train_flops"] / (0.5 * 100e12) / 3600, rel=1e-12)
+
+
+def test_a_mixer_adds_its_flops_and_parameters():
+    base = {"model": {"preset": "tiny"}, "train": {"max_steps": 10, "batch_size": 8}}
+    preln = run_cost(build_config(base), peak_tflops=312, utilisation=0.4)
+    hc = run_cost(build_config({**base, "variant": "hc"}), peak_tflops=312, utilisation=0.4)
+    mixer = build_model(build_config(base).model, "hc").mixer
+    assert hc["params"] - preln["params"] == mixer.extra_params()
+    assert hc["train_flops"] - preln["train_flops"] == 3 * mixer.extra_flops_per_token() * hc["tokens"]
+
+
+def test_dry_run_prints_costs_per_run_and_total(tmp_path, capsys):
+    profile = tmp_path / "cards.yaml"
+    profile.write_text("nodes: 2\ntasks_per_node: 4\ngpus_per_node: 4\ngpu_peak_tflops: 989\nutilisation: 0.5\n")
+    grid = tmp_path / "g.yaml"
+    grid.write_text(textwrap.dedent(f"""
+        name: g
+        profile: {profile}
+        base: {{model: {{preset: tiny}}, train: {{max_steps: 100, batch_size: 16}}}}
+        axes: {{variant: [preln, hc]}}
+        """))
+    assert main(["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "GPU-hours at 50% of a 989 TFLOP/s bf16 peak" in out
+    costs = [run_cost(build_config({"model": {"preset": "tiny"}, "variant": v, "train": {"max_steps": 100,
+                                    "batch_size": 16, "devices": 4, "num_nodes": 2}}),
+                      peak_tflops=989, utilisation=0.5) for v in ("preln", "hc")]
+    total = sum(c["train_flops"] for c in costs)
+    assert f"total: 2 run(s), {2 * 100 * 16 * 64 / 1e9:,.2f}B tokens, {total:.3e} training FLOPs" in out
+
+
+def test_a_bad_utilisation_is_refused():
+    with pytest.raises(Exception, match=r"utilisation in \(0, 1\]"):
+        Profile(utilisation=40)

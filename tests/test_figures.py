@@ -1,0 +1,356 @@
+"""The paper figures and their numbers on synthetic run directories of known laws: frontier, depth, λ/ω, ablations."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from harness import figures as figs
+from harness import frontier as fr
+from harness import report_items, tables
+from harness.memory import CoreLoad, live_training_bytes
+from harness.report_items import Context, NoData
+from harness.reporting import report
+from harness.results import aggregate, load_sweep, split_variant
+
+pytestmark = pytest.mark.xdist_group("report")
+
+A, B = 40.0, 0.08  # the baseline's law, L = A · C^(-B)
+MULTIPLIER = 1.5  # ldm-rls reaches at C the loss the baseline reaches at 1.5 C
+SEEDS = (0, 1, 2)
+VOCAB, SEQ = 512, 64
+TOKENS_PER_PARAM = 20.0
+EXTRA_FLOPS = {"preln": 0, "ldm-rls": 9000, "ldm": 7000}
+WIDTHS = (32, 48, 64, 96)
+DEPTHS = (1, 2, 4)
+ABLATIONS = ("ldm", "ldm-rls(groups=4)", "ldm-rls(omega=off)", "ldm-rls(lambda=1.0)", "ldm-rls(read=memory)",
+             "ldm-rls(qk_source=read)", "ldm-rls(key_dim=8)", "ldm-rls(residual_write=off)",
+             "ldm-rls(groups=4,omega=off)")
+GROUPS = 4
+
+
+def _model(d: int, n_blocks: int) -> dict:
+    return {"preset": "tiny", "vocab_size": VOCAB, "d_model": d, "n_blocks": n_blocks, "n_heads": 4,
+            "ffn_hidden": 3 * d, "max_seq_len": SEQ}
+
+
+def _params(m: dict) -> int:
+    d, f, n = m["d_model"], m["ffn_hidden"], m["n_blocks"]
+    return VOCAB * d + n * (4 * d * d + 3 * d * f + 2 * d) + d
+
+
+def _train_flops(m: dict, variant: str, tokens: int) -> float:
+    """Counted by hand: 2 FLOPs per multiply-add of every matmul, attention over the full context, × 3 for training."""
+    d, f, n = m["d_model"], m["ffn_hidden"], m["n_blocks"]
+    forward = 2 * (n * (4 * d * d + 3 * d * f) + d * VOCAB) + n * 4 * SEQ * d + EXTRA_FLOPS[split_variant(variant)[1]]
+    return 3.0 * forward * tokens
+
+
+def _loss(variant: str, flops: float, seed_noise: float) -> float:
+    effective = flops * (MULTIPLIER if split_variant(variant)[1] != "preln" else 1.0)
+    return A * effective ** (-B) * math.exp(seed_noise)
+
+
+def write_run(folder: Path, variant: str, seed: int, model: dict, rng, *, noise: float, lr: float = 3e-3,
+              eval_stderr: float = 0.05) -> dict:
+    folder.mkdir(parents=True)
+    params = _params(model)
+    tokens = int(TOKENS_PER_PARAM * params)
+    # As a sweep writes it: the budget per parameter resolved into tokens, one count per model size.
+    config = {"name": "study", "variant": variant, "model": model, "data": {"corpus": "shakespeare"},
+              "train": {"seed": seed, "lr": lr, "max_steps": 0, "tokens": tokens, "tokens_per_param": TOKENS_PER_PARAM},
+              "eval": {}, "slurm": {}}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "status.json").write_text(json.dumps({"state": "done", "step": 10, "message": "done"}))
+    flops = _train_flops(model, variant, tokens)
+    loss = _loss(variant, flops, noise)
+    summary = {"val_loss": loss, "val_ppl": math.exp(loss), "step": 10, "tokens": tokens, "train_tokens": tokens,
+               "train_steps": 10, "params": params, "extra_params": 0,
+               "extra_flops_per_token": EXTRA_FLOPS[split_variant(variant)[1]], "tokens_per_s": 1000.0,
+               "peak_mem_bytes": 1e8, "peak_mem_method": "cpu", "cores_shared": False}
+    n_layers = 2 * model["n_blocks"]
+    if split_variant(variant)[1] == "ldm-rls":
+        summary["depth_memory"] = {
+            "lambda": rng.uniform(0.5, 1.0, (n_layers, GROUPS)).tolist(),
+            "omega": [{"mean": m, "std": s, "min": m - 2 * s, "max": m + 2 * s}
+                      for m, s in zip(rng.uniform(0.5, 2.0, n_layers), rng.uniform(0.05, 0.2, n_layers))]}
+        per_group = [np.tril(rng.uniform(0.0, 1.0, (n_layers + 1, n_layers + 1))) for _ in range(GROUPS)]
+        (folder / "mixing.json").write_text(json.dumps({
+            "readers": [f"layer {i}" for i in range(n_layers)] + ["head"],
+            "sources": ["embedding"] + [f"v{i}" for i in range(n_layers)], "groups": GROUPS,
+            "matrix": np.mean(per_group, axis=0).tolist(), "per_group": [g.tolist() for g in per_group]}))
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "metrics.csv").write_text(f"step,tokens,val_loss\n0,0,6.0\n10,{tokens},{loss}\n")
+    (folder / "layers.csv").write_text("step,layer,output_rms,grad_norm\n" + "".join(
+        f"10,{i},{rng.uniform(0.5, 2):.5f},{rng.uniform(0.01, 0.1):.5f}\n" for i in range(n_layers)))
+    (folder / "eval").mkdir()
+    (folder / "eval" / "table.csv").write_text(
+        f"task,metric,value,stderr\ncopa,acc,{rng.uniform(0.4, 0.7):.6f},{eval_stderr}\n")
+    return summary
+
+
+def _dirname(variant: str, model: dict, seed: int) -> str:
+    name = re.sub(r"[^A-Za-z0-9]+", "-", variant).strip("-")
+    return f"{name}-d{model['d_model']}-n{model['n_blocks']}-s{seed}"
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """A study like the reference one: widths and depths of preln and ldm-rls, ablations at the main size."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    root = tmp_path_factory.mktemp(f"study-seed{seed}") / "study"
+    noise = {s: rng.normal(0.0, 0.002) for s in SEEDS}  # per seed, shared by every variant (same data order)
+    runs = []
+    for variant in ("preln", "ldm-rls"):
+        shapes = [(d, 2) for d in WIDTHS] + [(64, n) for n in DEPTHS if n != 2]
+        for d, n in shapes:
+            for s in SEEDS:
+                runs.append((variant, _model(d, n), s))
+    for variant in ABLATIONS:
+        for s in SEEDS:
+            runs.append((variant, _model(64, 2), s))
+    summaries = {}
+    for variant, model, s in runs:
+        own = noise[s] + rng.normal(0.0, 0.001)
+        summaries[(split_variant(variant)[0], model["d_model"], model["n_blocks"], s)] = write_run(
+            root / _dirname(variant, model, s), variant, s, model, rng, noise=own)
+    return {"root": root, "sweep": load_sweep(root), "summaries": summaries, "seed": seed}
+
+
+def _ctx(study, **kw) -> Context:
+    sweep = study["sweep"]
+    return Context(sweep, colours=figs.palette(r.variant for r in sweep.runs), **kw)
+
+
+def test_frontier_fit_recovers_a_known_power_law_and_multiplier(tmp_path, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    for variant in ("preln", "ldm-rls"):
+        for d in WIDTHS:
+            for s in SEEDS:
+                model = _model(d, 2)
+                write_run(tmp_path / _dirname(variant, model, s), variant, s, model, rng, noise=0.0)
+    result = fr.from_sweep(load_sweep(tmp_path), "preln", resamples=50)
+    fits = result.fits.set_index("variant")
+    # Noise-free losses: the fit and the multiplier are exact up to rounding.
+    assert fits.loc["preln", "a"] == pytest.approx(A, rel=1e-8)
+    assert fits.loc["preln", "b"] == pytest.approx(B, rel=1e-8)
+    assert fits.loc["ldm-rls", "b"] == pytest.approx(B, rel=1e-8)
+    assert fits.loc["ldm-rls", "a"] == pytest.approx(A * MULTIPLIER ** (-B), rel=1e-8)
+    rows = result.multipliers
+    assert len(rows) == len(WIDTHS) + 1 and set(rows["variant"]) == {"ldm-rls"}  # each size and their mean
+    assert np.allclose(rows["multiplier"], MULTIPLIER, rtol=1e-8)
+    # Identical seeds: every resample gives the same multiplier, so the interval closes on it.
+    assert np.allclose(rows["low"], MULTIPLIER, rtol=1e-8) and np.allclose(rows["high"], MULTIPLIER, rtol=1e-8)
+    points = result.points.sort_values(["variant", "params"])
+    hand = [_train_flops(_model(d, 2), v, int(TOKENS_PER_PARAM * _params(_model(d, 2))))
+            for v in ("ldm-rls", "preln") for d in WIDTHS for _ in SEEDS]
+    assert np.allclose(points["flops"], hand, rtol=1e-12)
+
+
+def test_compute_multiplier_bootstrap_over_seeds(study):
+    result = fr.from_sweep(study["sweep"], "preln", resamples=400)
+    rows = result.multipliers
+    overall = rows[rows["params"].isna()].set_index("variant").loc["ldm-rls"]
+    # Noise of 0.2% in the loss moves the multiplier by about 0.002 / B = 2.5% in log space.
+    assert overall["multiplier"] == pytest.approx(MULTIPLIER, rel=0.1)
+    assert overall["low"] < overall["multiplier"] < overall["high"]
+    assert overall["seeds"] == len(SEEDS)
+    # The point estimate against an independent computation: numpy's fit of the baseline means, inverted.
+    pts = result.points
+    ref = pts[pts["variant"] == "preln"].groupby("size").agg(c=("flops", "mean"), l=("loss", "mean"))
+    slope, intercept = np.polyfit(np.log(ref["c"]), np.log(ref["l"]), 1)
+    mine = pts[pts["variant"] == "ldm-rls"].groupby("size").agg(c=("flops", "mean"), l=("loss", "mean"))
+    need = np.exp((np.log(mine["l"]) - intercept) / slope)
+    assert overall["multiplier"] == pytest.approx(math.exp(np.mean(np.log(need / mine["c"]))), rel=1e-9)
+    table = Context(study["sweep"]).table("compute_multiplier")
+    assert "× [" in table.display["Compute multiplier (95% CI)"].iloc[-1]
+
+
+def test_frontier_figure_is_log_log_with_one_fit_per_variant(study):
+    fig, caption = figs.frontier(_ctx(study))
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    assert len(ax.get_lines()) == 2  # one fitted law per variant
+    assert "tokens per parameter" in caption
+
+
+def test_depth_figure_draws_loss_against_layers_with_intervals(study):
+    fig, caption = figs.depth(_ctx(study))
+    ax = fig.axes[0]
+    lines = {c.get_label(): c.lines[0] for c in ax.containers}  # one error-bar line per variant
+    assert set(lines) == {"preln", "ldm-rls"}
+    for variant, line in lines.items():
+        assert list(line.get_xdata()) == [2 * n for n in DEPTHS]
+        expected = [np.mean([study["summaries"][(variant, 64, n, s)]["val_loss"] for s in SEEDS]) for n in DEPTHS]
+        assert np.allclose(line.get_ydata(), expected, rtol=1e-12)
+    assert "d_model=64" in caption  # the width held fixed is named; the token budget follows each size
+    assert "axis_train_tokens" in study["sweep"].axis_keys and "train_tokens" not in caption
+    assert figs.numeric_axes(study["sweep"]) == ["d_model", "n_blocks"]
+
+
+def test_hyperparameter_axes_are_typed_columns_and_numeric_x(tmp_path, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    lrs = (1e-3, 3e-3, 1e-2)
+    for variant in ("preln", "ldm-rls"):
+        for lr in lrs:
+            for s in (0, 1):
+                write_run(tmp_path / f"{variant}-lr{lr}-s{s}", variant, s, _model(64, 2), rng,
+                          noise=rng.normal(0, 0.01), lr=lr)
+    sweep = load_sweep(tmp_path)
+    tidy = aggregate(sweep)
+    assert tidy["lr"].dtype == np.float64 and set(tidy["lr"]) == set(lrs)
+    main = Context(sweep).table("main")
+    assert main.data["lr"].dtype == np.float64 and "lr" in main.display.columns and "Setting" not in main.display
+    fig, _ = figs.hyperparameters(Context(sweep, colours=figs.palette(r.variant for r in sweep.runs)))
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and ax.get_xlabel() == "lr"
+    assert sorted(c.get_label() for c in ax.containers) == ["ldm-rls", "preln"]
+    for c in ax.containers:
+        assert list(c.lines[0].get_xdata()) == list(lrs)
+
+
+def test_lambda_and_omega_figures_average_seeds_on_one_scale(study):
+    ctx = _ctx(study)
+    fig, _ = figs.learned_lambda(ctx)
+    panels = {ax.get_title(): ax.images[0] for ax in fig.axes if ax.images}
+    # Every ldm-rls setting of the main size has λ; all panels share the limits of all their values.
+    assert set(panels) == {split_variant(v)[0] for v in ABLATIONS if v != "ldm"} | {"ldm-rls"}
+    assert len({im.get_clim() for im in panels.values()}) == 1
+    runs = [r for r in study["sweep"].finished() if r.variant == "ldm-rls" and r.axes["d_model"] == 64
+            and r.axes["n_blocks"] == 2]
+    expected = np.mean([r.summary["depth_memory"]["lambda"] for r in runs], axis=0)
+    assert np.allclose(panels["ldm-rls"].get_array(), expected, rtol=1e-12)
+    every = np.concatenate([im.get_array().ravel() for im in panels.values()])
+    assert panels["ldm-rls"].get_clim() == pytest.approx((every.min(), every.max()))
+    fig, _ = figs.omega_profile(ctx)
+    line = fig.axes[0].get_lines()[0]
+    means = np.mean([[rec["mean"] for rec in r.summary["depth_memory"]["omega"]] for r in runs], axis=0)
+    assert np.allclose(line.get_ydata(), means, rtol=1e-12)
+
+
+def test_per_group_mixing_shares_one_colour_scale(study):
+    fig, _ = figs.mixing_groups(_ctx(study))
+    images = [ax.images[0] for ax in fig.axes if ax.images]
+    assert len(images) == GROUPS  # ldm-rls at its defaults; ldm has no mixing.json in this study
+    assert len({im.get_clim() for im in images}) == 1
+
+
+def test_ablations_figure_has_every_axis_with_paired_intervals(study):
+    frame, reference, _ = figs.ablation_comparisons(_ctx(study))
+    assert reference == "ldm-rls"
+    # One axis per knob; residual_write=off also reads its queries and keys from the read (qk_source=read).
+    assert set(frame["axis"]) == {"write", "groups", "omega", "lambda", "read", "qk_source", "key_dim",
+                                  "residual_write + qk_source", "groups + omega"}
+    ref = {s: study["summaries"][("ldm-rls", 64, 2, s)]["val_loss"] for s in SEEDS}
+    for variant in ("ldm-rls(groups=4)", "ldm"):
+        row = frame.set_index("variant").loc[split_variant(variant)[0]]
+        other = [study["summaries"][(split_variant(variant)[0], 64, 2, s)]["val_loss"] for s in SEEDS]
+        test = stats.ttest_rel(other, [ref[s] for s in SEEDS])
+        ci = test.confidence_interval(0.95)
+        assert row["method"] == "paired t"
+        assert (row["low"], row["high"]) == pytest.approx((ci.low, ci.high), rel=1e-9)
+    fig, _ = figs.ablations(_ctx(study))
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert len(titles) == 9 and titles[-1] == "groups G + importance ω" and "q/k source" in titles
+    # The reference follows report.ablation_reference, as the table does.
+    frame, reference, _ = figs.ablation_comparisons(_ctx(study, ablation_reference="ldm-rls(groups=4)"))
+    assert reference == "ldm-rls(groups=4)"
+    assert frame.set_index("variant").loc["ldm-rls", "value"] == "16"
+
+
+def test_palette_is_fixed_by_registry_order():
+    alone = figs.palette(["preln", "mhc"])
+    many = figs.palette(["preln", "ldm", "ldm-rls", "ldm-rls(groups=4)", "attnres", "hc"])
+    assert alone["preln"] == many["preln"] == "#1f77b4" and alone["mhc"] != alone["preln"]
+    assert len(set(many.values())) == len(many)
+
+
+def test_downstream_intervals_use_seeds_or_stderr(study, tmp_path, rng_seed):
+    data = Context(study["sweep"]).table("downstream").data.set_index("variant")
+    runs = [r for r in study["sweep"].finished() if r.variant == "preln" and r.axes["d_model"] == 64
+            and r.axes["n_blocks"] == 2]
+    values = [float(r.eval["value"].iloc[0]) for r in runs]
+    main_row = data[(data["d_model"] == 64) & (data["n_blocks"] == 2)].loc["preln"]
+    half = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values))
+    assert main_row["copa_ci95"] == pytest.approx(half, rel=1e-9)
+    rng = np.random.default_rng(rng_seed)
+    write_run(tmp_path / "one", "preln", 0, _model(64, 2), rng, noise=0.0, eval_stderr=0.05)
+    one = Context(load_sweep(tmp_path)).table("downstream").data.iloc[0]
+    assert one["copa_ci95"] == pytest.approx(stats.norm.ppf(0.975) * 0.05, rel=1e-6)
+
+
+def test_report_on_the_study_draws_every_figure_and_lists_the_registry(study, tmp_path):
+    bench = pd.DataFrame([{"variant": v, "depth": d, "width": 64, "seq_len": 64, "step_time_ms": 1.0 * d,
+                           "ratio_time": r, "peak_mem_bytes": 1e6 * d, "ratio_mem": r}
+                          for v, r in (("preln", 1.0), ("ldm-rls", 1.4)) for d in (2, 4)])
+    bench.to_csv(tmp_path / "bench.csv", index=False)
+    text = report(study["root"], out_dir=tmp_path / "out", bench=tmp_path / "bench.csv").read_text()
+    for name in report_items.names("figure"):
+        assert (tmp_path / "out" / "figures" / f"{name}.png").exists(), name
+    assert "## Not produced" not in text
+    # Every run finished: the list of runs left out is omitted, not printed empty.
+    assert "Runs not counted" not in text and not (tmp_path / "out" / "tables" / "excluded_runs.csv").exists()
+    tex = (tmp_path / "out" / "tables" / "main.tex").read_text()
+    spec = re.search(r"\\begin\{tabular\}\{([lr]+)\}", tex).group(1)
+    columns = list(Context(study["sweep"]).table("main").display.columns)
+    assert spec[columns.index("Variant")] == "l" and spec[columns.index("Val loss (95% CI)")] == "r"
+    assert spec[columns.index("d_model")] == "r"
+    docs = (Path(__file__).parents[1] / "docs" / "report.md").read_text()
+    assert report_items.listing() in docs, "docs/report.md lists the registry: paste report_items.listing() there"
+
+
+def test_cost_table_labels_memory_and_shared_cores(tmp_path, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    for variant, shared, method in (("preln", False, "cpu"), ("ldm-rls", True, "cpu"), ("ldm", False, None)):
+        write_run(tmp_path / variant, variant, 0, _model(64, 2), rng, noise=0.0)
+        path = tmp_path / variant / "summary.json"
+        summary = json.loads(path.read_text())
+        summary.update(cores_shared=shared, peak_mem_method=method)
+        path.write_text(json.dumps(summary))
+    table = Context(load_sweep(tmp_path)).table("cost")
+    rows = table.data.set_index("variant")
+    assert math.isnan(rows.loc["ldm-rls", "tokens_per_s_rel"]) and rows.loc["ldm-rls", "cores_shared"]
+    assert math.isnan(rows.loc["ldm", "peak_mem_bytes"]) and rows.loc["preln", "peak_mem_bytes"] == 1e8
+    shown = table.display.set_index("Variant")
+    assert "(shared cores)" in shown.loc["ldm-rls", "Tokens/s"]
+    notes = " ".join(table.notes)
+    assert "allocator" in notes and "RSS" in notes and "shared cores" in notes
+
+
+def test_live_bytes_and_core_sharing(rng_seed):
+    import torch
+
+    torch.manual_seed(rng_seed)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 7)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    assert live_training_bytes(model, [opt]) == 4 * n * 4 + sum(
+        s["step"].untyped_storage().nbytes() for s in opt.state.values())  # weights, grads, two moments, steps
+    load = CoreLoad()
+    load.others = [3, 3]
+    assert load.summary(threads=1)["cores_shared"] is (3 + 1 > load.summary(1)["cpu_cores"])
+    load.others = [0]
+    assert load.summary(threads=1)["cores_shared"] is (1 > load.summary(1)["cpu_cores"])
+
+
+def test_a_registered_item_without_data_says_why(tmp_path, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    write_run(tmp_path / "preln", "preln", 0, _model(64, 2), rng, noise=0.0)
+    ctx = Context(load_sweep(tmp_path))
+    for kind, name, reason in (("figure", "frontier", "model size"), ("figure", "depth", "n_blocks"),
+                               ("figure", "lambda", "depth_memory"), ("table", "compute_multiplier", "size")):
+        with pytest.raises(NoData, match=reason):
+            report_items.get(kind, name).fn(ctx)
+    assert tables.column_alignment(pd.DataFrame({"a": ["x", "y"], "b": ["1.0", "—"], "c": ["+0.1 ± 0.2", "-3"]})) \
+        == "lrr"

@@ -1,0 +1,154 @@
+"""Two SLURM nodes for real: a run spans dmnode1 and dmnode2 of ``slurm/local-cluster.sh start --nodes 2``.
+
+Each node is a slurmd in its own network and UTS namespace, so the two DDP processes (gloo) are on different
+hosts with different addresses, and talk over the bridge. The run goes through the sweep command with
+``nodes: 2, tasks_per_node: 1``, takes its global batch of 4 in micro batches of 1 (two passes per step on each
+node), and must follow a one-process run of the same global batch; a requeued 2-node job resumes.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.config import build_config
+from harness.io import read_json
+from harness.rundir import read_config, read_status
+from harness.training import train
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+
+STEPS = 60
+TRAIN = {"max_steps": STEPS, "batch_size": 4, "micro_batch_size": 1, "warmup_steps": 5, "log_every_steps": 10,
+         "val_every_steps": 30, "val_batches": 1, "ckpt_every_steps": 10}
+
+
+def _namespaces_reason() -> str | None:
+    try:
+        subprocess.run(["unshare", "--net", "--uts", "true"], check=True, capture_output=True, timeout=15)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"network and UTS namespaces cannot be made on this machine ({e}), so no second node can run"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_nodes():
+    reason = _namespaces_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        out = subprocess.run(["sinfo", "-h", "-p", "multi", "-o", "%D %T"], capture_output=True, text=True,
+                             timeout=15)
+        up = out.returncode == 0 and sum(int(line.split()[0]) for line in out.stdout.splitlines()
+                                         if re.search(r"idle|mixed|allocated", line)) >= 2
+    except (OSError, subprocess.TimeoutExpired):
+        up = False
+    if not up:
+        reason = "no partition multi with two nodes up; start them with: bash slurm/local-cluster.sh start --nodes 2"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+def _column(path: Path, name: str) -> list[float]:
+    with open(path, newline="") as f:
+        return [float(r[name]) for r in csv.DictReader(f) if r[name]]
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def submitted(tmp_path_factory):
+    """Seeds 0 and 1 on two nodes each, submitted with ``depthmem sweep``; seed 1 is requeued mid-run."""
+    tmp = tmp_path_factory.mktemp("nodes")
+    profile = tmp / "two-nodes.yaml"
+    profile.write_text("partition: multi\nnodes: 2\ntasks_per_node: 1\ncpus_per_task: 1\nmem_gb: 2\ntime_min: 20\n"
+                       "array_parallelism: 2\nsetup: ['export OMP_NUM_THREADS=1']\n")
+    grid = tmp / "nodes.yaml"
+    grid.write_text(textwrap.dedent(f"""
+        name: nodes
+        profile: {profile}
+        base:
+          model: {{preset: tiny}}
+          train: {TRAIN}
+        axes:
+          train.seed: [0, 1]
+        """))
+    root = tmp / "results"
+    assert main(["sweep", str(grid), "--executor", "slurm", "--results", str(root)]) == 0
+    record = read_json(root / "nodes" / "sweep.json")
+    runs = sorted((e["run_id"] for e in record["runs"]), key=lambda rid: read_config(root / "nodes" / rid).train.seed)
+    victim = root / "nodes" / runs[1]
+
+    def past(step):
+        s = read_status(victim)
+        return s.get("state") == "running" and (s.get("step") or 0) >= step and s.get("job_id")
+
+    job_id = _wait(lambda: past(20), 600, "the seed-1 run to pass step 20")
+    subprocess.run(["scontrol", "requeue", str(job_id)], check=True)  # what a preemption does to the job
+    _wait(lambda: subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True,
+                                 text=True).stdout.strip() == "PENDING", 120, "the job to be pending again")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+    for rid in runs:
+        _wait(lambda: read_status(root / "nodes" / rid).get("state") in ("done", "failed", "diverged"), 900,
+              f"{rid} to finish")
+    return tmp, root, runs, str(job_id)
+
+
+def _single_process(tmp: Path, seed: int) -> Path:
+    cfg = build_config({"model": {"preset": "tiny"},
+                        "train": {**TRAIN, "micro_batch_size": 0, "seed": seed}})
+    return train(cfg, tmp / f"single-s{seed}")
+
+
+def test_a_two_node_run_spans_both_hosts_and_matches_one_process(submitted):
+    tmp, root, runs, _ = submitted
+    run_dir = root / "nodes" / runs[0]
+    status = read_status(run_dir)
+    assert status["state"] == "done", status
+    job = str(status["job_id"])
+    nodelist = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "NodeList"], capture_output=True,
+                              text=True, check=True).stdout.split()
+    assert nodelist and nodelist[-1] == "dmnode[1-2]"
+    jobs = root / "nodes" / "jobs"
+    err = (jobs / f"{job}_0_log.err").read_text() + (jobs / f"{job}_1_log.err").read_text()
+    assert "distributed_backend=gloo" in err and "All distributed processes registered" in err
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in err
+    single = _single_process(tmp, 0)
+    for name in ("train_loss", "val_loss", "grad_norm"):
+        got, want = _column(run_dir / "metrics.csv", name), _column(single / "metrics.csv", name)
+        assert len(got) == len(want) > 0
+        assert got == pytest.approx(want, rel=1e-5), name
+
+
+def test_a_requeued_two_node_job_resumes(submitted):
+    tmp, root, runs, job_id = submitted
+    run_dir = root / "nodes" / runs[1]
+    status = read_status(run_dir)
+    assert status["state"] == "done" and status["attempts"] == 2 and status["step"] == STEPS
+    log = (root / "nodes" / "jobs" / f"{job_id}_0_log.out").read_text()  # SLURM appends on requeue
+    resumed = int(re.search(r"resuming at step (\d+)", log).group(1))
+    # From a checkpoint, not from scratch: step 10 or later (a checkpoint written at SIGTERM across two nodes is
+    # not asked for here, only that the job resumes and ends as an uninterrupted run does).
+    assert 10 <= resumed < STEPS
+    steps = [int(v) for v in _column(run_dir / "metrics.csv", "step")]
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS
+    single = _single_process(tmp, 1)
+    assert read_json(run_dir / "summary.json")["val_loss"] == pytest.approx(
+        read_json(single / "summary.json")["val_loss"], rel=1e-5)
