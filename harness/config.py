@@ -9,6 +9,7 @@ merging; this module turns its errors into one sentence.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -44,8 +45,9 @@ class ModelConfig:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("the attention head width (d_model / n_heads) must be even for RoPE")
-        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
-            raise ValueError("model.norm_eps, model.init_std and model.rope_theta must be positive")
+        if not all(0 < v < math.inf for v in (self.norm_eps, self.init_std, self.rope_theta)):
+            raise ValueError("model.norm_eps, model.init_std and model.rope_theta must be positive finite numbers, "
+                             f"got {self.norm_eps}, {self.init_std} and {self.rope_theta}")
 
     @property
     def n_layers(self) -> int:
@@ -91,6 +93,15 @@ class DataConfig:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.tokenizer not in ("auto", "gpt2", "bpe"):
             raise ValueError(f"data.tokenizer must be one of auto, gpt2, bpe, got {self.tokenizer!r}")
+
+
+# Lightning's precision names (its ``_PRECISION_INPUT_STR`` and aliases) and ours, ``auto``; kept here so a config
+# is checked without importing Lightning.
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true", "transformer-engine",
+              "transformer-engine-float16", "32", "16", "64", "bf16")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+MAX_SEED = 2**32 - 1
+"""The largest seed Lightning's ``seed_everything`` takes."""
 
 
 @dataclass(kw_only=True)
@@ -140,8 +151,28 @@ class TrainConfig:
         for name in ("seq_len", "max_steps", "warmup_steps", "val_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be zero or positive, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"train.lr must be positive, got {self.lr}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"train.seed must be an integer from 0 to {MAX_SEED}, got {self.seed}")
+        # Written as "not in range" so that nan, which fails every comparison, fails these too.
+        for name in ("lr", "tokens_per_param"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if not self.max_grad_norm_diverge > 0:  # inf is allowed: never stop on the gradient norm alone
+            raise ValueError(f"train.max_grad_norm_diverge must be positive, got {self.max_grad_norm_diverge}")
+        for name in ("weight_decay", "grad_clip"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"train.{name} must be zero or a positive finite number, got {getattr(self, name)}")
+        for name in ("min_lr_ratio", "decay_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"train.{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if str(self.precision) not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+                             f"{did_you_mean(self.precision, PRECISIONS)}")
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"train.accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"train.schedule must be cosine or wsd, got {self.schedule!r}")
         if self.logger not in ("csv", "tensorboard", "wandb"):
@@ -156,6 +187,12 @@ class EvalConfig:
     """Suite or task names; empty skips evaluation."""
     limit: Optional[int] = None
     batch_size: int = 16
+
+    def __post_init__(self):
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"eval.limit must be a positive number of documents per task, got {self.limit}")
+        if self.batch_size < 1:
+            raise ValueError(f"eval.batch_size must be a positive integer, got {self.batch_size}")
 
 
 @dataclass(kw_only=True)
@@ -173,6 +210,15 @@ class SlurmConfig:
     mem_gb: float = 4.0
     setup: list[str] = field(default_factory=list)
 
+    def __post_init__(self):
+        for name in ("time_min", "nodes", "tasks_per_node", "cpus_per_task"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"slurm.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.gpus_per_node < 0:
+            raise ValueError(f"slurm.gpus_per_node must be zero or more, got {self.gpus_per_node}")
+        if not 0 < self.mem_gb < math.inf:
+            raise ValueError(f"slurm.mem_gb must be a positive number, got {self.mem_gb}")
+
 
 @dataclass(kw_only=True)
 class RunConfig:
@@ -187,6 +233,10 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    def __post_init__(self):
+        if not str(self.variant).strip():
+            raise ValueError("variant is empty: name a depth mixer from `depthmem variants`, e.g. preln")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -209,6 +259,11 @@ def build_config(*layers: dict[str, Any] | list[str], source: str = "config") ->
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    for layer in layers:
+        for item in layer if isinstance(layer, (list, tuple)) else ():
+            if "=" not in str(item) or not str(item).split("=", 1)[0].strip():
+                raise UsageError(f"The override {str(item)!r} in {source} is not KEY=VALUE: write it as "
+                                 f"{str(item).strip('=') or 'train.lr'}=VALUE, e.g. --set train.lr=1e-3.")
     try:
         confs = [OmegaConf.from_dotlist(list(x)) if isinstance(x, (list, tuple)) else OmegaConf.create(x or {})
                  for x in layers]
@@ -240,8 +295,20 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"The {what} {str(path)!r} does not exist.")
+    if path.is_dir():
+        raise UsageError(f"The {what} {str(path)!r} is a folder; give the path of a YAML or JSON file.")
     try:
-        return yaml.safe_load(path.read_text())
+        raw = path.read_bytes()
+    except PermissionError:
+        raise UsageError(f"The {what} {str(path)!r} cannot be read: permission denied.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UsageError(f"The {what} {str(path)!r} is not UTF-8 text (byte {raw[e.start]:#04x} at line {line}); "
+                         "save it as UTF-8.") from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

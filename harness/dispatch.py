@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import preflight
 from harness.config import SlurmConfig, read_yaml
 from harness.errors import DepthmemError, UsageError, did_you_mean
 from harness.grid import Grid, GridRun, expand, load_grid
 from harness.io import atomic_write_json, read_json
-from harness.rundir import now_iso, read_config, read_status, write_config, write_status
+from harness.rundir import (DAMAGED, now_iso, read_config, read_status, read_summary, read_sweep_record, write_config,
+                            write_status)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROFILE_DIR = PROJECT_ROOT / "slurm" / "profiles"
@@ -232,8 +234,8 @@ def plan(grid_file: str | Path, *, executor: str = "local", profile: str | None 
     sweep_dir = Path(root or default_root()) / grid.name
     p = Plan(grid, runs, prof, executor, sweep_dir,
              parallelism=parallelism or grid.parallelism or prof.array_parallelism)
-    p.warnings = _check_corpus(runs)
-    states = {row["run_id"]: row for row in _run_rows(sweep_dir, read_json(sweep_dir / "sweep.json") or {})}
+    p.warnings = _check_corpus(runs) + preflight.for_executor([r.cfg for r in runs], executor)
+    states = {row["run_id"]: row for row in _run_rows(sweep_dir, read_sweep_record(sweep_dir))}
     for r in runs:
         row = states.get(r.run_id, {})
         state = row.get("state", "pending")
@@ -370,7 +372,7 @@ def _announce(p: Plan, log) -> None:
 
 
 def _read_record(p: Plan) -> dict[str, Any]:
-    record = read_json(p.sweep_dir / "sweep.json") or {}
+    record = read_sweep_record(p.sweep_dir)
     old = {r["run_id"]: r for r in record.get("runs", [])}
     runs, todo = [], {r.run_id for r in p.to_submit()}
     for r in p.runs:
@@ -567,7 +569,7 @@ def _reconcile(sweep_dir: Path, rid: str, job_id: str | None, executor: str | No
     run_dir = sweep_dir / rid
     status = read_status(run_dir)
     state = status.get("state", "pending")
-    failed = state in ("failed", "diverged")
+    failed = state in ("failed", "diverged", DAMAGED)
     row = {"run_id": rid, "state": state, "step": status.get("step"), "loss": status.get("last_loss"),
            "job_id": job_id or status.get("job_id"), "node": status.get("node"),
            "reason": (status.get("message") or "") if failed else "", "message": status.get("message") or "",
@@ -588,7 +590,7 @@ def _reconcile(sweep_dir: Path, rid: str, job_id: str | None, executor: str | No
         row["job_active"] = _local_alive(job_id)
         row["job_state"] = "RUNNING" if row["job_active"] else "ENDED"
         ended_because = "the local process ended"
-    if row["job_active"] or state in ("done", "failed", "diverged"):
+    if row["job_active"] or state in ("done", "failed", "diverged", DAMAGED):
         if state in ("failed", "diverged") and not row["job_active"]:
             row["reason"] = row["reason"] or _result_error(sweep_dir / "jobs", job_id) \
                 or _log_tail(sweep_dir / "jobs", job_id) or ""
@@ -616,7 +618,7 @@ def _run_rows(sweep_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
     for e in entries:
         row = _reconcile(sweep_dir, e["run_id"], e.get("job_id"), e.get("executor"), sacct)
         row["variant"] = e.get("variant", "")
-        summary = read_json(sweep_dir / e["run_id"] / "summary.json", default={}) or {}
+        summary = read_summary(sweep_dir / e["run_id"])
         for key in ("val_loss", "val_bpb", "params", "tokens_per_s"):
             row[key] = summary.get(key)
         rows.append(row)
@@ -626,13 +628,13 @@ def _run_rows(sweep_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
 def sweep_status(sweep: str | Path, root: str | Path | None = None) -> list[dict[str, Any]]:
     """One row per run: state, step, last loss, job id, node, the reason a failed run failed, final numbers."""
     sweep_dir = resolve_sweep_dir(sweep, root)
-    return _run_rows(sweep_dir, read_json(sweep_dir / "sweep.json") or {})
+    return _run_rows(sweep_dir, read_sweep_record(sweep_dir))
 
 
 def cancel(sweep: str | Path, root: str | Path | None = None) -> list[str]:
     """Cancel every queued or running job of a sweep and mark its runs failed; returns the cancelled run ids."""
     sweep_dir = resolve_sweep_dir(sweep, root)
-    record = read_json(sweep_dir / "sweep.json") or {}
+    record = read_sweep_record(sweep_dir)
     stopped: list[tuple[str, str, str]] = []
     for row in _run_rows(sweep_dir, record):
         if not row["job_active"]:

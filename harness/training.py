@@ -36,7 +36,8 @@ from harness import data as datalib
 from harness import rundir
 from harness.config import RunConfig
 from harness.errors import RunFailed, UsageError
-from harness.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from harness.io import (DiskFull, atomic_write_bytes, atomic_write_json, atomic_write_text, check_checkpoint_room,
+                        remove_stale_temps)
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
@@ -123,10 +124,7 @@ def _csv_text(columns: list[str], rows: list[dict]) -> str:
 
 def _read_rows(path: Path, up_to_step: int) -> list[dict]:
     """Rows of an earlier segment of this run, up to the step it is resumed from."""
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= up_to_step]
+    return rundir.read_metric_rows(path, up_to_step)
 
 
 def _safe_cost(fn) -> Any:
@@ -484,6 +482,9 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     if resume_from is not None:
         resume_step = _check_resumable(resume_from, cfg, model)
     if rank0:
+        remove_stale_temps(run_dir, run_dir / "ckpt")  # what a killed write of this run left behind
+        # Weights and both AdamW moments in float32: the checkpoint's size, to the first digit.
+        check_checkpoint_room(ckpt_path, 12 * sum(p.numel() for p in model.parameters()))
         rundir.write_config(run_dir, cfg)
         rundir.write_env(run_dir)
         toklib.save_to_run(tok, run_dir)
@@ -514,8 +515,11 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
 
         if rank0:
             stopped = "stopped by SIGTERM" if isinstance(e, SIGTERMException) else f"failed: {type(e).__name__}: {e}"
-            rundir.write_status(run_dir, "failed", step=trainer.global_step, last_loss=files.last_loss,
-                                message=f"{stopped}; run the same command again to resume from the last checkpoint")
+            try:
+                rundir.write_status(run_dir, "failed", step=trainer.global_step, last_loss=files.last_loss,
+                                    message=f"{stopped}; run the same command again to resume from the last checkpoint")
+            except DiskFull:
+                pass  # the disk that refused the run's files refuses this one too; the error below says why
         if isinstance(e, SIGTERMException):
             raise RunFailed(f"Training was stopped by SIGTERM at step {trainer.global_step}; run the same command "
                             "again to resume from the last checkpoint.") from None
