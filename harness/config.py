@@ -8,8 +8,10 @@ merging; this module turns its errors into one sentence.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -239,11 +241,26 @@ class RunConfig:
             raise ValueError("variant is empty: name a depth mixer from `depthmem variants`, e.g. preln")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # What dataclasses.asdict gives, without its deep copy of every scalar, which dominated the expansion of
+        # large grids: the sections hold only scalars and lists of strings, so copying the lists is enough.
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                out[f.name] = {k: (_copied(v) if type(v) in (list, dict) else v) for k, v in vars(value).items()}
+            else:
+                out[f.name] = _copied(value)
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
         return build_config(d, source=source)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, list) and all(isinstance(v, (str, int, float, bool)) for v in value):
+        return list(value)
+    return copy.deepcopy(value) if isinstance(value, (list, dict)) else value
 
 
 def _suggest(key: str, node) -> str:
@@ -286,6 +303,105 @@ def build_config(*layers: dict[str, Any] | list[str], source: str = "config") ->
         raise UsageError(f"Bad value in {source}{where}: {msg}.") from None
     except ValueError as e:
         raise UsageError(f"Bad value in {source}: {e}.") from None
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "slurm": SlurmConfig}
+
+
+class _Unsure(Exception):
+    """The fast path cannot vouch for this config; ``build_config`` decides (and words any error)."""
+
+
+def _flat(layer: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in layer.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, name + "."))
+        elif isinstance(value, dict):
+            continue  # an empty mapping changes nothing in a merge
+        else:
+            out[name] = value
+    return out
+
+
+class ConfigBuilder:
+    """Many RunConfigs that share their lower layers, as ``build_config`` would build them, but fast.
+
+    OmegaConf's typed merge costs tens of milliseconds per config, so a grid of 10^4 runs would take minutes. A
+    grid repeats a few values in many combinations, so each distinct (key, value) is typed once by OmegaConf's own
+    value nodes (the same conversions its merge applies) and every config is then built from plain dataclasses,
+    whose ``__post_init__`` checks run as usual. Whatever this path cannot vouch for (unknown keys, interpolation,
+    a value that does not convert, a field check that fails) goes through ``build_config``, which gives the same
+    config or the same error.
+    """
+
+    def __init__(self, *layers: dict[str, Any], source: str = "config"):
+        self.layers = [dict(x or {}) for x in layers]
+        self.source = source
+        self.flat: dict[str, Any] = {}
+        for layer in self.layers:
+            self.flat.update(_flat(layer))
+        self._typed: dict[tuple, Any] = {}
+        self._hints = {name: typing.get_type_hints(cls) for name, cls in _SECTIONS.items()}
+        self._hints[""] = {"name": str, "variant": str}
+
+    def build(self, *layers: dict[str, Any], source: str | None = None) -> RunConfig:
+        flat = dict(self.flat)
+        for layer in layers:
+            flat.update(_flat(layer or {}))
+        try:
+            return self._fast(flat)
+        except _Unsure:
+            return build_config(*self.layers, *layers, source=source or self.source)
+
+    def _type(self, key: str, value: Any) -> Any:
+        memo = (key, type(value).__name__, repr(value))
+        if memo in self._typed:
+            return self._typed[memo]
+        section, _, name = key.rpartition(".")
+        hint = self._hints.get(section, {}).get(name)
+        if hint is None or "." in section:
+            raise _Unsure
+        if isinstance(value, str) and ("${" in value or value == "???"):
+            raise _Unsure  # interpolation and missing values are OmegaConf's to resolve
+        from omegaconf import ListConfig, OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+        from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
+
+        nodes = {int: IntegerNode, float: FloatNode, str: StringNode, bool: BooleanNode}
+        optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
+        if optional:
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        try:
+            if hint in nodes:
+                typed = nodes[hint](value, is_optional=optional)._value()
+            elif typing.get_origin(hint) is list and typing.get_args(hint) == (str,) and isinstance(value, list):
+                typed = OmegaConf.to_container(ListConfig(value, element_type=str))
+            else:
+                raise _Unsure
+        except OmegaConfBaseException:
+            raise _Unsure from None
+        if typed is None and not optional:
+            raise _Unsure
+        self._typed[memo] = typed
+        return typed
+
+    def _fast(self, flat: dict[str, Any]) -> RunConfig:
+        typed = {k: self._type(k, v) for k, v in flat.items()}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        top: dict[str, Any] = {}
+        for key, value in typed.items():
+            section, _, name = key.rpartition(".")
+            (parts[section] if section else top)[name] = copy.deepcopy(value) if isinstance(value, list) else value
+        preset = parts["model"].get("preset", "tiny")
+        if preset not in PRESETS:
+            raise _Unsure
+        try:
+            return RunConfig(**top, model=ModelConfig(**{**PRESETS[preset], **parts["model"], "preset": preset}),
+                             **{name: cls(**parts[name]) for name, cls in _SECTIONS.items() if name != "model"})
+        except (TypeError, ValueError):
+            raise _Unsure from None
 
 
 def read_yaml(path: str | Path, what: str = "config file") -> Any:

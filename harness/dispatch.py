@@ -30,7 +30,7 @@ from harness import preflight
 from harness.config import SlurmConfig, read_yaml
 from harness.errors import DepthmemError, UsageError, did_you_mean
 from harness.grid import Grid, GridRun, expand, load_grid
-from harness.io import atomic_write_json, read_json
+from harness.io import atomic_write_json, read_json, remove_stale_temps, writable_dir
 from harness.rundir import (DAMAGED, now_iso, read_config, read_status, read_summary, read_sweep_record, write_config,
                             write_status)
 
@@ -317,7 +317,8 @@ def sweep(grid_file: str | Path, *, executor: str = "local", profile: str | None
         raise UsageError(f"Cannot submit {p.grid.source}: {p.warnings[0]}")
     check_executor(executor, p.profile)
     wait = (executor == "local") if wait is None else wait
-    p.sweep_dir.mkdir(parents=True, exist_ok=True)
+    writable_dir(p.sweep_dir, "sweep folder")
+    remove_stale_temps(p.sweep_dir)
     lock = filelock.FileLock(str(p.sweep_dir / ".sweep.lock"))
     try:
         lock.acquire(timeout=0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.config import RunConfig, build_config, read_yaml
+from harness.config import ConfigBuilder, RunConfig, read_yaml
 from harness.errors import UsageError, did_you_mean
 from harness.rundir import run_id
 
@@ -180,13 +180,16 @@ def expand(grid: Grid, *, defaults: dict[str, Any] | None = None) -> list[GridRu
     """
     import variants
 
-    base = nest(grid.base)
+    builder = ConfigBuilder(nest(defaults or {}), nest(grid.base), source=grid.source)
     runs: list[GridRun] = []
     seen: dict[str, dict[str, Any]] = {}
+    checked: set[tuple] = set()
     for overrides in combinations(grid):
         where = f"{grid.source} (run {_describe(overrides)})"
-        cfg = build_config(nest(defaults or {}), base, nest(overrides), {"name": grid.name}, source=where)
-        variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
+        cfg = builder.build(nest(overrides), {"name": grid.name}, source=where)
+        if (cfg.variant, cfg.model.d_model, cfg.model.n_layers) not in checked:
+            variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
+            checked.add((cfg.variant, cfg.model.d_model, cfg.model.n_layers))
         rid = run_id(cfg)
         if rid in seen:
             raise UsageError(f"Two runs of {grid.source} collide as {rid!r}: {_describe(seen[rid])} and "

@@ -25,7 +25,43 @@ def add_parser(sub):
     wait.add_argument("--no-wait", dest="wait", action="store_false",
                       help="return once submitted (the default with --executor slurm)")
     p.add_argument("--results", metavar="DIR", help="results root (default: $DEPTHMEM_RESULTS or ./results)")
+    p.add_argument("--yes", action="store_true",
+                   help=f"submit a grid of more than $DEPTHMEM_CONFIRM_RUNS runs (default {CONFIRM_RUNS})")
     return p
+
+
+CONFIRM_RUNS = 1000
+"""Grids of more runs than this are submitted only with --yes (``DEPTHMEM_CONFIRM_RUNS`` changes it)."""
+
+
+def confirm_limit() -> int:
+    import os
+
+    from harness.errors import UsageError
+
+    text = os.environ.get("DEPTHMEM_CONFIRM_RUNS", "").strip()
+    if not text:
+        return CONFIRM_RUNS
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UsageError(f"DEPTHMEM_CONFIRM_RUNS must be a number of runs (0 or more), got {text!r}.")
+    return value
+
+
+def check_size(grid_file: str, yes: bool) -> None:
+    """Refuse, before anything is expanded or written, a grid larger than the limit unless --yes confirms it."""
+    from harness.errors import UsageError
+    from harness.grid import combinations, load_grid
+
+    limit = confirm_limit()
+    n = len(combinations(load_grid(grid_file)))
+    if n > limit and not yes:
+        raise UsageError(f"The grid {grid_file} expands to {n:,} runs, more than the {limit:,} a submission takes "
+                         "without confirmation: check it with --dry-run, then submit again with --yes "
+                         "(DEPTHMEM_CONFIRM_RUNS sets the limit).")
 
 
 RESULT_COLUMNS = ["variant", "run_id", "state", "val_loss", "val_bpb", "params", "tokens_per_s", "reason"]
@@ -42,6 +78,7 @@ def run(args) -> int:
                  retry_failed=args.retry_failed, parallelism=args.parallelism)
         print(describe_plan(p))
         return 0
+    check_size(args.grid, args.yes)
     sub = sweep(args.grid, executor=args.executor, profile=args.profile, root=args.results,
                 retry_failed=args.retry_failed, wait=args.wait, parallelism=args.parallelism)
     waited = args.wait if args.wait is not None else args.executor == "local"
