@@ -372,19 +372,19 @@ def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2
         shards.append({"file": name, "tokens": pending_tokens, "documents": pending_docs})
         pending, pending_tokens, pending_docs = [], 0, 0
 
-    bar = tqdm(desc="tokenizing", unit=" docs", disable=not progress)
-    for path in inputs:
-        for texts in _batched(_documents(path, text_field, split), 256):
-            for ids in tok.encode_batch(texts):
-                # Documents never straddle shards, so a shard boundary is always a document boundary.
-                pending.append(np.asarray(ids + [tok.eot_id], dtype=dtype))
-                pending_tokens += len(ids) + 1
-                pending_docs += 1
-                total_docs += 1
-                if pending_tokens >= shard_tokens:
-                    flush()
-            bar.update(len(texts))
-    bar.close()
+    # Closed on errors too, so that a message about a bad input starts on a line of its own.
+    with tqdm(desc="tokenizing", unit=" docs", disable=not progress) as bar:
+        for path in inputs:
+            for texts in _batched(_documents(path, text_field, split), 256):
+                for ids in tok.encode_batch(texts):
+                    # Documents never straddle shards, so a shard boundary is always a document boundary.
+                    pending.append(np.asarray(ids + [tok.eot_id], dtype=dtype))
+                    pending_tokens += len(ids) + 1
+                    pending_docs += 1
+                    total_docs += 1
+                    if pending_tokens >= shard_tokens:
+                        flush()
+                bar.update(len(texts))
     flush()
     if not shards:
         raise UsageError("The inputs hold no documents, so there is nothing to prepare.")

@@ -214,7 +214,7 @@ def read_json(path: str | os.PathLike, default: Any = None) -> Any:
     """Read a JSON file, or return ``default`` when it does not exist; ``DamagedFile`` when it does not parse."""
     try:
         raw = Path(path).read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a path through a file does not exist either
         return default
     try:
         return json.loads(raw.decode("utf-8"))

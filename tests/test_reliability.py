@@ -287,22 +287,32 @@ class TestDamagedRunFile:
         out, _ = succeeds(capsys, ["cancel", "pair", "--results", str(results)])
         assert "nothing to cancel" in out
 
-    def test_train_and_report_on_the_damaged_run(self, capsys, tmp_path, finished_sweep, name, how):
-        grid, results, (bad, good) = _copy_sweep(finished_sweep, tmp_path)
-        run = results / "pair" / bad
-        config = json.loads((run / "config.json").read_text())
-        _damage(run / name, how)
-        out, _ = succeeds(capsys, ["report", str(results / "pair"), "--out", str(tmp_path / "report")])
-        report = (tmp_path / "report" / "REPORT.md").read_text()
-        assert good in report and bad in report or name == "config.json"
-        # Training the same run again: a damaged config.json is named; anything else is read past and rewritten.
-        argv = ["train", *TRAIN_ARGS, "--set", f"train.seed={config['train']['seed']}", "--out", str(run)]
-        if name == "config.json":
-            line = fails(capsys, argv)
-            assert "config.json is damaged" in line and "delete it" in line
-        else:
-            succeeds(capsys, argv)
-            assert json.loads((run / "status.json").read_text())["state"] == "done"
+
+@pytest.mark.parametrize("how", ["truncated", "binary"])
+@pytest.mark.parametrize("name", RUN_FILES)
+def test_train_and_report_read_past_a_damaged_run_file(capsys, tmp_path, finished_sweep, name, how):
+    """Report lists the run (or says why not); training the run again reads past the damage and rewrites."""
+    grid, results, (bad, good) = _copy_sweep(finished_sweep, tmp_path)
+    run = results / "pair" / bad
+    config = json.loads((run / "config.json").read_text())
+    _damage(run / name, how)
+    import pandas as pd
+
+    succeeds(capsys, ["report", str(results / "pair"), "--out", str(tmp_path / "report")])
+    listed = set(pd.read_csv(tmp_path / "report" / "runs.csv")["run_id"])
+    if name == "config.json":
+        assert listed == {good}  # no config, no run: the report says why it skipped it
+        assert f"{bad}/config.json" in (tmp_path / "report" / "REPORT.md").read_text()
+    else:
+        assert listed == {good, bad}
+    # Training the same run again: a damaged config.json is named; anything else is read past and rewritten.
+    argv = ["train", "--config", str(write(tmp_path / "config.json", json.dumps(config))), "--out", str(run)]
+    if name == "config.json":
+        line = fails(capsys, argv)
+        assert "config.json is damaged" in line and "delete it" in line
+    else:
+        succeeds(capsys, argv)
+        assert json.loads((run / "status.json").read_text())["state"] == "done"
 
 
 @pytest.mark.parametrize("how", sorted(DAMAGE))
