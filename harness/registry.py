@@ -126,6 +126,9 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is registered twice")
         if self.base is not None and not issubclass(cls, self.base):
             raise TypeError(f"{cls.__name__} must subclass {self.base.__name__}")
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:
+            raise TypeError(f"{cls.__name__} cannot be registered as {name!r}: it does not implement {', '.join(missing)}")
         defaults = dict(defaults or {})
         unknown = set(defaults) - {f.name for f in dataclasses.fields(cls.Config)}
         if unknown:
@@ -164,13 +167,22 @@ class Registry(Generic[T]):
         return entry, cfg
 
     def canonical(self, spec: str) -> str:
-        """The spec with knobs in declaration order, defaults omitted: a stable name for tables and run ids."""
+        """The spec with knobs in declaration order, defaults omitted: a stable name for tables and run ids.
+
+        A knob is omitted when it has the listed default and leaving it out gives the same config. A default that
+        follows another knob (a config may fill it in its ``__post_init__``) is therefore written out wherever it
+        differs from the listed one, so the name says what runs and reports see every knob's value."""
         entry, cfg = self.config(spec)
         base = entry.cls.Config(**entry.defaults)
+        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
         parts = []
         for key, f in knob_fields(entry.cls.Config).items():
             value = getattr(cfg, f.name)
-            if value != getattr(base, f.name):
+            try:
+                implied = entry.cls.Config(**{**values, f.name: entry.defaults.get(f.name, f.default)}) == cfg
+            except ValueError:  # the other knobs need this one as given
+                implied = False
+            if value != getattr(base, f.name) or not implied:
                 parts.append(f"{key}={format_value(value)}")
         return f"{entry.name}({','.join(parts)})" if parts else entry.name
 

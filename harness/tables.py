@@ -39,31 +39,7 @@ class Table:
 
 # -- statistics --------------------------------------------------------------------------------------------
 
-def mean_ci(values: Iterable[float]) -> tuple[float, float, int]:
-    """Mean, half-width of the 95% t-interval (NaN for fewer than two values) and the count."""
-    x = np.asarray(list(values), dtype=np.float64)
-    n = len(x)
-    if n == 0:
-        return math.nan, math.nan, 0
-    if n < 2:
-        return float(x.mean()), math.nan, n
-    half = stats.t.ppf(0.975, n - 1) * x.std(ddof=1) / math.sqrt(n)
-    return float(x.mean()), float(half), n
-
-
-def welch_ci(a: Iterable[float], b: Iterable[float]) -> tuple[float, float, float]:
-    """``mean(a) - mean(b)``, the half-width of its 95% Welch interval and the Welch–Satterthwaite dof."""
-    a, b = np.asarray(list(a), dtype=np.float64), np.asarray(list(b), dtype=np.float64)
-    if len(a) == 0 or len(b) == 0:
-        return math.nan, math.nan, math.nan
-    diff = float(a.mean() - b.mean())
-    if len(a) < 2 or len(b) < 2:
-        return diff, math.nan, math.nan
-    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    if va + vb == 0:
-        return diff, 0.0, float(len(a) + len(b) - 2)
-    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    return diff, float(stats.t.ppf(0.975, dof) * math.sqrt(va + vb)), float(dof)
+from harness.stats import mean_ci, welch_ci  # noqa: E402  (re-exported: figures and tests read them here)
 
 
 # -- grouping ----------------------------------------------------------------------------------------------

@@ -93,6 +93,10 @@ def write(path: Path, text: str) -> Path:
     ("mhc(expansion=0)", ["expansion", "at least 1"]),
     ("attnres-block(block_size=0)", ["block_size", "at least 1"]),
     ("ldm-rls(groups=4", ["name(knob=value,...)"]),
+    ("ldm(read=residual,residual_write=off)", ["ignores every layer", "residual_write=on", "read=residual+memory",
+                                               "read=memory"]),
+    ("ldm-rls(read=residual,qk_source=read)", ["qk_source=read changes nothing", "qk_source at residual"]),
+    ("ldm(qk_source=query)", ["qk_source", "residual, read"]),
 ])
 def test_bad_variant_or_knob_names_the_allowed_values(capsys, tmp_path, variant, expected):
     line = fails(capsys, ["train", "--variant", variant, "--out", str(tmp_path / "run"), "--dry-run"])

@@ -79,3 +79,49 @@ def test_cli_prints_the_table(capsys):
     assert main(["variants", "--costs", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "params_added" in out and "denseformer" in out
+
+
+# -- LDM and LDM-RLS: the count follows the implementation that runs -----------------------------------------------
+LDM_COST_SPECS = [
+    "ldm", "ldm(groups=1)", "ldm(groups=4,key_dim=6)", "ldm(read=memory,groups=2)", "ldm(residual_write=off)",
+    "ldm(qk_source=read,groups=8)", "ldm-rls", "ldm-rls(groups=1)", "ldm-rls(groups=4,key_dim=6,omega=off)",
+    "ldm-rls(read=memory,groups=2)", "ldm-rls(residual_write=off,groups=8,key_dim=12)",
+]
+
+
+def _mixer_matmul_flops_per_token(mixer, b: int = 2, t: int = 3) -> float:
+    """Matrix-product FLOPs per token of one forward through ``mixer`` alone, by torch's FLOP counter."""
+    e = torch.randn(b, t, mixer.d_model)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        state = mixer.init_state(e)
+        for layer in range(mixer.n_layers):
+            mixer.read(state, layer)
+            state = mixer.write(state, layer, torch.randn_like(e))
+        mixer.read_head(state)
+    return counter.get_total_flops() / (b * t)
+
+
+@pytest.mark.parametrize("impl", ["dual", "recurrent"])
+@pytest.mark.parametrize("spec", LDM_COST_SPECS)
+def test_ldm_matmul_count_matches_torch_flop_counter(spec, impl, rng_seed):
+    from variants import ldm_costs
+
+    mixer = variants.build(spec, d_model=48, n_layers=5)
+    mixer.impl = impl
+    mm, other = ldm_costs.flops_per_token(mixer)
+    assert mm == _mixer_matmul_flops_per_token(mixer)
+    assert other > 0 and mixer.extra_flops_per_token() == mm + other
+
+
+@pytest.mark.parametrize("name", ["ldm", "ldm-rls"])
+def test_one_group_is_priced_as_the_dual_form_that_runs(name):
+    """At groups=1 (d_k = d) the recurrent form would spend 2·d² per read; the dual form that runs spends O(L·d)."""
+    table = cost_table("small", [f"{name}(groups=1)"]).set_index("variant")
+    with torch.device("meta"):
+        mixer = variants.build(f"{name}(groups=1)", d_model=256, n_layers=12)
+    assert mixer.impl == "dual"
+    dual = mixer.extra_flops_per_token()
+    mixer.impl = "recurrent"
+    recurrent = mixer.extra_flops_per_token()
+    assert table.loc[f"{name}(groups=1)", "extra_flops_per_token"] == dual
+    assert dual < recurrent / 2

@@ -110,7 +110,9 @@ def test_experiment_files_expand():
     paper = plan(ROOT / "experiments" / "paper.yaml", root="/nonexistent-results")
     variants_run = {r.cfg.variant for r in paper.runs}
     for name in ("preln", "ldm", "ldm-rls", "attnres", "attnres-block", "hc", "mhc", "denseformer",
-                 "ldm-rls(omega=off)", "ldm-rls(read=memory)", "ldm-rls(residual_write=off)", "ldm-rls(lambda=1.0)"):
+                 "ldm-rls(omega=off)", "ldm-rls(read=memory)", "ldm-rls(residual_write=off)", "ldm-rls(lambda=1.0)",
+                 "ldm(read=memory)", "ldm(residual_write=off)", "ldm-rls(lambda=0.9)", "ldm-rls(lambda=0.99)",
+                 "ldm-rls(groups=1,key_dim=48)", "ldm-rls(groups=64,key_dim=48)"):
         assert name in variants_run
     assert {r.cfg.train.seed for r in paper.runs} == {0, 1, 2}
     assert {r.cfg.model.preset for r in paper.runs} == {"gpt2-small"}

@@ -223,7 +223,7 @@ MIXING_SPECS = [
     "ldm", "ldm-rls", "ldm(groups=4,key_dim=6)", "ldm-rls(groups=1,alpha=0.5,lambda=0.7)",
     "ldm(read=memory)", "ldm-rls(read=memory,groups=4)", "ldm(residual_write=off,groups=4)",
     "ldm-rls(read=memory,residual_write=off,groups=2)", "ldm(read=residual)",
-    "ldm-rls(read=residual,residual_write=off)",
+    "ldm-rls(read=residual)", "ldm(residual_write=off,qk_source=residual,groups=4)", "ldm-rls(qk_source=read)",
 ]
 
 
@@ -244,7 +244,7 @@ def test_mixing_matrix_reproduces_layer_inputs(spec, rng_seed):
 
 
 # -- precision and costs ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", ["ldm", "ldm-rls(read=memory)"])
+@pytest.mark.parametrize("spec", ["ldm", "ldm-rls(read=memory)", "ldm-rls(residual_write=off,groups=4)"])
 def test_memory_math_stays_float32_under_bf16(spec, rng_seed):
     model = build_model(model_preset("tiny"), spec)
     idx = torch.randint(0, 512, (2, T))
@@ -275,3 +275,142 @@ def test_costs(spec, floats):
     # The MLP matmuls alone are a floor for the count.
     assert mixer.extra_flops_per_token() > n_mlps * 2 * D * mixer.cfg.qk_hidden
     assert mixer.extra_params() == sum(p.numel() for p in mixer.parameters()) > 0
+
+
+# -- the mixing weights against the definitions, by brute force ---------------------------------------------------
+def _definition_mlp(mlp, x):
+    """``RMSNorm → Linear → SiLU → Linear`` (spec §3) from the module's weights."""
+    xn = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * mlp.norm.weight
+    return F.silu(xn @ mlp.fc1.weight.T + mlp.fc1.bias) @ mlp.fc2.weight.T + mlp.fc2.bias
+
+
+def _beta(lambdas: list, first: int):
+    """``Π_{j ≥ first} λ_j`` over the writes so far: ``β_{n,first-1}`` after the last write ``n`` (1 when empty)."""
+    return torch.prod(torch.stack(lambdas[first:])) if lambdas[first:] else 1.0
+
+
+def _definition_forward(model, idx):
+    """Every reader's input and the weights ``c[l, i, g]`` from the definitions of spec §3–§5 and §7, in float64:
+    ``q_lᵀ k_i`` for the outer product, ``ω_i β_{l-1,i} k_iᵀ P_{l-1} q_l`` for RLS with ``P_{l-1}`` the explicit inverse
+    of the weighted, forgotten, ridge key covariance, and the residual's ones. Queries and keys come from ``x_{l-1}``,
+    or with ``qk_source=read`` from the latest read (``a_{l-1}`` for a query, ``a_l`` for layer ``l``'s key)."""
+    mixer, cfg = model.mixer, model.mixer.cfg
+    G, dk, L, d = mixer.G, mixer.dk, model.n_layers, model.cfg.d_model
+    dv = d // G
+    e = model.embed(idx)
+    b, t, _ = e.shape
+    c = torch.zeros(b, t, L + 1, L + 1, G, dtype=torch.float64)
+    memory = torch.zeros_like(c)  # the memory's part of c alone
+    sources, writes, inputs = [e], [], []  # writes: (source, k (b, t, g, k), ω (b, t, g), λ (g,))
+
+    def unit(z):
+        return z / z.norm(dim=-1, keepdim=True)
+
+    def key(n, src):
+        z = _definition_mlp(mixer.keys[n], src)
+        k = unit(z[..., : G * dk].unflatten(-1, (G, dk)))
+        if not mixer.rls:
+            return k, None, None
+        omega = 2 * torch.sigmoid(z[..., G * dk:]) if cfg.omega else torch.ones(b, t, G, dtype=torch.float64)
+        lam = (0.5 + 0.5 * torch.sigmoid(mixer.theta[n]) if cfg.lambda_ == "learned"
+               else torch.full((G,), float(cfg.lambda_), dtype=torch.float64))
+        return k, omega, lam
+
+    x = latest = e
+    if cfg.read == "memory":
+        writes.append((0, *key(0, e)))
+    for reader in range(L + 1):
+        if cfg.read != "memory":
+            c[:, :, reader, 0] = 1.0
+            if cfg.residual_write:
+                c[:, :, reader, 1: reader + 1] = 1.0
+        if writes:
+            q = unit(_definition_mlp(mixer.queries[reader], x if cfg.qk_source == "residual" else latest)
+                     .unflatten(-1, (G, dk)))
+            for g in range(G):
+                for i, (s, k, omega, _) in enumerate(writes):
+                    if not mixer.rls:
+                        memory[:, :, reader, s, g] = (k[..., g, :] * q[..., g, :]).sum(-1)
+                        continue
+                    lams = [w[3][g] for w in writes]
+                    cov = sum(_beta(lams, j + 1) * w[2][..., g, None, None] * w[1][..., g, :, None]
+                              * w[1][..., g, None, :] for j, w in enumerate(writes))
+                    P = torch.linalg.inv(cov + _beta(lams, 0) / cfg.alpha * torch.eye(dk, dtype=torch.float64))
+                    Pq = (P @ q[..., g, :, None])[..., 0]
+                    memory[:, :, reader, s, g] = omega[..., g] * _beta(lams, i + 1) * (k[..., g, :] * Pq).sum(-1)
+        c[:, :, reader] += memory[:, :, reader]
+        a = torch.einsum("btsg,btsgv->btgv", c[:, :, reader, : len(sources)],
+                         torch.stack(sources, 2).unflatten(-1, (G, dv))).flatten(-2)
+        inputs.append(a)
+        if reader == L:
+            break
+        v = model.layers[reader](a)
+        key_src = x if cfg.qk_source == "residual" else a
+        writes.append((reader + 1, *key(reader + mixer.embed_write, key_src)))
+        sources.append(v)
+        latest = a
+        if cfg.residual_write:
+            x = x + v
+    return inputs, c, memory
+
+
+WEIGHT_SPECS = [
+    "ldm", "ldm(groups=4,key_dim=8)", "ldm(groups=1,key_dim=8)", "ldm(read=memory,groups=2)",
+    "ldm(residual_write=off,groups=4)", "ldm(residual_write=off,qk_source=residual,groups=4)",
+    "ldm(qk_source=read,groups=8,key_dim=5)",
+    "ldm-rls", "ldm-rls(groups=4,key_dim=8,alpha=0.5)", "ldm-rls(groups=1,key_dim=8,lambda=0.9)",
+    "ldm-rls(read=memory,groups=2,key_dim=6,lambda=0.7)", "ldm-rls(residual_write=off,groups=4,alpha=2.0)",
+    "ldm-rls(qk_source=read,omega=off,groups=8,key_dim=3)", "ldm-rls(read=memory,residual_write=off,groups=4)",
+    "ldm-rls(groups=16,key_dim=6,lambda=0.99)",
+]
+
+
+@pytest.mark.parametrize("spec", WEIGHT_SPECS)
+def test_mixing_weights_equal_the_definitions(spec, rng_seed):
+    model = _model(spec)
+    with torch.no_grad():
+        for p in model.mixer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        _randomize(model.mixer)
+    idx = torch.randint(0, 512, (2, T))
+    trace = Trace()
+    with torch.no_grad():
+        model(idx, trace=trace)
+        c = model.mixer.mixing_matrix(trace)
+        inputs, expected, memory = _definition_forward(model, idx)
+    for reader, (got, want) in enumerate(zip(trace.inputs + [trace.head_input], inputs)):
+        assert _rel(got, want) < 1e-10, f"reader {reader}"
+    assert c.shape == expected.shape
+    assert _rel(c, expected) < 1e-10
+    assert memory.abs().amax(dim=(0, 1)).gt(1e-3).sum() >= model.n_layers  # every reader after the first holds some
+
+
+# -- qk_source: what the query and key MLPs read -------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ldm", "ldm-rls"])
+def test_without_residual_write_reads_address_by_context_not_token(name, rng_seed):
+    """With residual_write=off the residual stays the embedding: keys from it are the same for a token wherever it
+    stands, keys from the reads (the default for this ablation) differ with what came before."""
+    idx = torch.randint(0, 512, (1, T))
+    idx[0, 9] = idx[0, 3]
+    idx[0, 4:9] = (idx[0, :5] + 1) % 512  # a different context before the second occurrence
+    keys = {}
+    for qk in ("residual", "read"):
+        model = _model(f"{name}(residual_write=off,qk_source={qk},groups=4)")
+        _randomize(model.mixer)
+        trace = Trace()
+        with torch.no_grad():
+            model(idx, trace=trace)
+        keys[qk] = torch.stack([trace.mixer[("k", layer)][0] for layer in range(1, L)])  # (layers, t, g, k)
+    torch.testing.assert_close(keys["residual"][:, 3], keys["residual"][:, 9], rtol=1e-12, atol=1e-12)
+    assert _rel(keys["read"][:, 9], keys["read"][:, 3]) > 1e-3
+    assert variants.build(f"{name}(residual_write=off)", d_model=D, n_layers=L).cfg.qk_source == "read"
+
+
+def test_qk_source_read_with_residual_write_is_another_model(rng_seed):
+    """qk_source=read also applies with the residual on: same weights, different addresses, different model."""
+    a = _model("ldm-rls(groups=4)")
+    b = _model("ldm-rls(groups=4,qk_source=read)")
+    b.load_state_dict(a.state_dict())
+    idx = torch.randint(0, 512, (2, T))
+    with torch.no_grad():
+        assert _rel(b(idx), a(idx)) > 1e-6

@@ -19,6 +19,8 @@ DUAL_SPECS = [
     "ldm-rls", "ldm-rls(groups=1)", "ldm-rls(groups=4,key_dim=3)", "ldm-rls(groups=2,alpha=0.3,lambda=0.7)",
     "ldm-rls(read=memory,groups=4)", "ldm-rls(omega=off,lambda=1.0)", "ldm-rls(residual_write=off,alpha=3.0)",
     "ldm-rls(read=memory,residual_write=off,omega=off,groups=8)",
+    "ldm(qk_source=read,groups=4)", "ldm(residual_write=off,qk_source=residual)",
+    "ldm-rls(qk_source=read,read=memory,groups=2,key_dim=8)", "ldm-rls(groups=2,key_dim=12,lambda=0.9)",
 ]
 
 

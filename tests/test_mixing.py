@@ -61,3 +61,34 @@ def test_preln_mixing_matrix_is_all_ones_lower_triangular(rng_seed):
     L1 = c.shape[2]
     expected = torch.ones(L1, L1, dtype=c.dtype).tril()
     assert torch.equal(c[..., 0], expected.expand_as(c[..., 0]))
+
+
+# Reconstruction pins the weights only where a group's sources are linearly independent: value width d/G (and,
+# for the memories, key width d_k) at least the number of sources. The tiny preset has 5 sources (the embedding
+# and 4 outputs), so LDM runs here with groups of 16 or 64 channels and keys of 8.
+PINNED_SPECS = [n for n in variants.names() if not n.startswith("ldm")] + [
+    "ldm(groups=4,key_dim=8)", "ldm(groups=1,key_dim=8)", "ldm(read=memory,groups=4,key_dim=8)",
+    "ldm(residual_write=off,groups=4,key_dim=8)", "ldm(qk_source=read,groups=4,key_dim=5)",
+    "ldm-rls(groups=4,key_dim=8)", "ldm-rls(groups=1,key_dim=8,lambda=0.9)",
+    "ldm-rls(read=memory,groups=4,key_dim=8,alpha=0.5)", "ldm-rls(residual_write=off,groups=4,key_dim=8)",
+    "ldm-rls(qk_source=read,groups=4,key_dim=6,omega=off)",
+]
+
+
+@pytest.mark.parametrize("spec", PINNED_SPECS)
+def test_reconstruction_pins_the_weights(spec, rng_seed):
+    """Where every group has at least as many channels as there are sources, the layer inputs determine ``c``
+    uniquely: solving for it from the recorded sources and inputs gives back the mixing matrix."""
+    model, trace, c = _traced_perturbed(spec)
+    L, d = model.n_layers, model.cfg.d_model
+    b, t = trace.embed.shape[:2]
+    G = c.shape[-1]
+    assert d // G >= L + 1 and getattr(model.mixer, "dk", L + 1) >= L + 1, spec
+    sources = torch.stack([trace.embed] + trace.outputs, dim=-1).view(b, t, G, d // G, L + 1)  # (b, t, g, c, s)
+    inputs = torch.stack(trace.inputs + [trace.head_input], dim=-1).view(b, t, G, d // G, L + 1)  # (b, t, g, c, r)
+    # Each column scaled to unit norm, so the smallest singular value measures independence, not magnitude.
+    scale = sources.norm(dim=-2, keepdim=True)
+    assert torch.linalg.svdvals(sources / scale).amin() > 1e-4  # the sources are independent: c is unique
+    solved = torch.linalg.lstsq(sources / scale, inputs).solution / scale.transpose(-1, -2)  # (b, t, g, s, r)
+    expected = c.permute(0, 1, 4, 3, 2)  # (b, t, g, s, r)
+    torch.testing.assert_close(solved, expected, rtol=1e-7, atol=1e-8)

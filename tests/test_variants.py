@@ -7,6 +7,7 @@ Parametrized over ``variants.names()``, so a newly registered variant is covered
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 import variants
 from harness import build_model, model_preset
+from harness.cli import main
 from harness.errors import UsageError
 from harness.model import Trace
 
@@ -97,10 +99,10 @@ def test_costs_are_reported(name):
 
 # -- the LDM knob grid: every valid combination builds and trains ------------------------------------------------
 def _ldm_grid() -> list[str]:
-    specs = []
-    for write, read, rw, groups in itertools.product(("outer", "rls"), ("residual+memory", "memory", "residual"),
-                                                     ("on", "off"), (1, 4)):
-        base = f"ldm(write={write},read={read},residual_write={rw},groups={groups}"
+    specs = [f"ldm(write={write},read=residual)" for write in ("outer", "rls")]  # PreLN: no memory knobs apply
+    for write, read, rw, qk, groups in itertools.product(("outer", "rls"), ("residual+memory", "memory"),
+                                                         ("on", "off"), ("residual", "read"), (1, 4)):
+        base = f"ldm(write={write},read={read},residual_write={rw},qk_source={qk},groups={groups},key_dim=8"
         if write == "outer":  # λ and ω are RLS knobs: with write=outer they are errors by design
             specs.append(base + ")")
             continue
@@ -141,6 +143,17 @@ def test_ldm_knob_grid_builds_and_runs(spec, rng_seed):
     ("ldm(lambda=0.9)", ["lambda", "write=rls"]),  # an RLS knob with write=outer
     ("ldm(omega=off)", ["omega", "write=rls"]),
     ("ldm(alpha=2)", ["alpha", "write=rls"]),
+    ("ldm(qk_source=keys)", ["qk_source", "residual, read", "'keys'"]),
+    # degenerate combinations: a model that ignores its layers, or memory knobs on a model without a memory
+    ("ldm(read=residual,residual_write=off)", ["ignores every layer", "residual_write=on", "read=residual+memory",
+                                               "read=memory"]),
+    ("ldm-rls(read=residual,residual_write=off,groups=4)", ["ignores every layer"]),
+    ("ldm-rls(read=residual,groups=4)", ["read=residual", "groups=4 changes nothing", "groups at 16",
+                                         "read=residual+memory"]),
+    ("ldm(read=residual,qk_source=read)", ["qk_source=read changes nothing", "qk_source at residual"]),
+    ("ldm(read=residual,key_dim=8)", ["key_dim=8", "key_dim at 0"]),
+    ("ldm-rls(read=residual,lambda=0.9)", ["lambda=0.9", "lambda at learned"]),
+    ("ldm-rls(read=residual,omega=off)", ["omega=off", "omega at on"]),
 ])
 def test_bad_names_and_values_raise_one_sentence(spec, expected):
     with pytest.raises(UsageError) as info:
@@ -158,3 +171,67 @@ def test_defaults_and_names_round_trip():
     assert variants.canonical("ldm-rls(groups=16,lambda=learned,omega=on)") == "ldm-rls"
     assert variants.canonical("ldm-rls(lambda=1)") == "ldm-rls(lambda=1.0)"
     assert variants.build("ldm-rls(key_dim=0)", d_model=64, n_layers=4).dk == 64 // 16
+
+
+def test_qk_source_defaults_to_the_read_without_residual_write():
+    """With residual_write=off the residual stays the embedding, so the ablation addresses the memory from the reads
+    unless asked otherwise; the canonical name then writes qk_source out, so run ids and tables show what ran."""
+    build = variants.build
+    assert build("ldm", d_model=64, n_layers=4).cfg.qk_source == "residual"
+    assert build("ldm-rls(residual_write=off)", d_model=64, n_layers=4).cfg.qk_source == "read"
+    assert build("ldm(residual_write=off,qk_source=residual)", d_model=64, n_layers=4).cfg.qk_source == "residual"
+    for spec in ("ldm(residual_write=off)", "ldm(qk_source=read,residual_write=off)"):
+        assert variants.canonical(spec) == "ldm(residual_write=off,qk_source=read)"
+    assert variants.canonical("ldm(qk_source=residual)") == "ldm"
+    assert variants.canonical("ldm(qk_source=read)") == "ldm(qk_source=read)"
+    name = variants.canonical("ldm-rls(qk_source=residual,residual_write=off,groups=4)")
+    assert name == "ldm-rls(residual_write=off,qk_source=residual,groups=4)"
+    assert variants.canonical(name) == name
+
+
+def test_groups_at_fixed_key_width():
+    """key_dim fixes d_k while groups vary: the memory M holds d·d_k floats per token whatever G is, only P grows."""
+    for groups in (1, 4, 16, 64):
+        mixer = variants.build(f"ldm-rls(groups={groups},key_dim=8)", d_model=64, n_layers=4)
+        assert (mixer.G, mixer.dk, mixer.dv) == (groups, 8, 64 // groups)
+        assert mixer.stream_floats_per_token() == 64 + 64 * 8 + groups * 8 * 8
+        assert mixer.keys[0].fc2.out_features == groups * 8 + groups  # keys and ω
+
+
+def test_listing_names_every_ldm_knob_with_allowed_values_and_default(capsys):
+    assert main(["variants", "--json"]) == 0
+    knobs = {v["name"]: {k["knob"]: k for k in v["knobs"]} for v in json.loads(capsys.readouterr().out)}
+    for name in ("ldm", "ldm-rls"):
+        qk = knobs[name]["qk_source"]
+        assert qk["allowed"] == "residual, read" and qk["default"] == "residual" and "residual_write=off" in qk["help"]
+        assert knobs[name]["key_dim"]["default"] == "0" and "d_model / groups" in knobs[name]["key_dim"]["allowed"]
+    assert main(["variants"]) == 0
+    assert "qk_source" in capsys.readouterr().out
+
+
+def test_canonical_names_write_out_a_default_that_follows_another_knob():
+    """The registry's rule on its own: a knob is left out of the name only where leaving it out gives the same
+    config and its value is the listed default."""
+    from dataclasses import dataclass
+
+    from harness.registry import Registry, knob
+
+    registry = Registry("toy")
+
+    @registry.register("toy")
+    class Toy:
+        @dataclass(frozen=True)
+        class Config:
+            mode: bool = knob(True, "a switch", choices=("on", "off"))
+            follow: str | None = knob(None, "b when mode is on, c when it is off", choices=("b", "c"))
+
+            def __post_init__(self):
+                if self.follow is None:
+                    object.__setattr__(self, "follow", "b" if self.mode else "c")
+
+    assert registry.canonical("toy") == registry.canonical("toy(follow=b)") == "toy"
+    assert registry.canonical("toy(follow=c)") == "toy(follow=c)"
+    for spec in ("toy(mode=off)", "toy(mode=off,follow=c)"):
+        assert registry.canonical(spec) == "toy(mode=off,follow=c)"
+    assert registry.canonical("toy(mode=off,follow=b)") == "toy(mode=off,follow=b)"
+    assert registry.describe()[0]["knobs"][1]["default"] == "b"

@@ -13,6 +13,7 @@ overhead over PreLN.
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -21,8 +22,22 @@ from torch import nn
 from harness.registry import Registry
 
 
-class DepthMixer(nn.Module):
-    """Base class of all depth mixers; subclasses define a nested ``Config`` dataclass of knobs."""
+class DepthMixer(nn.Module, abc.ABC):
+    """Base class of all depth mixers; subclasses define a nested ``Config`` dataclass of knobs.
+
+    Shapes: ``b`` batch, ``t`` tokens, ``d`` the model width, ``L`` the number of layers (each attention and each
+    MLP sublayer is one layer), ``G`` the mixer's channel groups (1 where it has none). A subclass must implement
+    every abstract method below; registering a class that misses one is an error at import time. The decoder
+    calls them in this order for one forward pass::
+
+        state = init_state(e)
+        for l in range(L):
+            a = read(state, l); v = layer_l(a); state = write(state, l, v)
+        h = read_head(state)
+
+    Under bf16 weights a mixer may keep its state in float32 (the decoder casts each read to the model's dtype);
+    reads must be differentiable with respect to everything the state was built from.
+    """
 
     def __init__(self, cfg, *, d_model: int, n_layers: int):
         super().__init__()
@@ -33,33 +48,47 @@ class DepthMixer(nn.Module):
         self.trace: dict | None = None
 
     # -- the interface -------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def init_state(self, e: torch.Tensor) -> Any:
-        raise NotImplementedError
+        """The state before layer 0 from the embedding ``e`` (b, t, d): any object the mixer's own methods read."""
 
+    @abc.abstractmethod
     def read(self, state: Any, layer: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Layer ``layer``'s input ``a_l`` (b, t, d) from the state before it. Must not modify ``state``."""
 
+    @abc.abstractmethod
     def write(self, state: Any, layer: int, out: torch.Tensor) -> Any:
-        raise NotImplementedError
+        """The state after layer ``layer`` given its output ``v_l`` (b, t, d) and the state before it.
 
+        The returned state may share storage with the old one only where autograd allows it (no in-place
+        update of a tensor that a read has already used)."""
+
+    @abc.abstractmethod
     def read_head(self, state: Any) -> torch.Tensor:
-        raise NotImplementedError
+        """The head's input (b, t, d) from the state after the last layer; the decoder applies the final norm."""
 
     # -- introspection -------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def mixing_matrix(self, trace) -> torch.Tensor:
-        """``c`` of shape (b, t, L+1, L+1, G) from a ``harness.model.Trace`` of one forward pass."""
-        raise NotImplementedError
+        """``c`` of shape (b, t, L+1, L+1, G) from the ``trace`` dict of one recorded forward pass.
 
+        ``c[..., l, i, g]`` is the weight with which reader ``l`` (layer ``l``, or the head at ``l = L``)
+        contains source ``i`` (0 the embedding, ``i + 1`` the output ``v_i``) in channel group ``g``, such that
+        each reader's input is rebuilt exactly from the sources (the mixing test checks this in float64).
+        Entries for sources a reader cannot see (``i > l``) are zero."""
+
+    @abc.abstractmethod
     def stream_floats_per_token(self) -> int:
         """Floats of carried state per token at the widest point of depth (PreLN: d)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def extra_flops_per_token(self) -> int:
-        """Forward FLOPs per token spent on depth mixing beyond PreLN's residual additions."""
-        raise NotImplementedError
+        """Forward FLOPs per token spent on depth mixing beyond PreLN's residual additions, for the path the
+        mixer actually runs (the cost model and the benchmark's analytic floor read it)."""
 
+    # -- optional ------------------------------------------------------------------------------------------
     def extra_params(self) -> int:
-        """Parameters added over PreLN: everything the mixer owns."""
+        """Parameters added over PreLN: everything the mixer owns, unless it says otherwise."""
         return sum(p.numel() for p in self.parameters())
 
     # -- helpers -------------------------------------------------------------------------------------------

