@@ -4,7 +4,7 @@ A grid file holds ``base`` (any ``RunConfig`` keys, nested or dotted), ``axes`` 
 crossed as a product), ``zip`` (groups of keys whose lists vary together, each group one more axis of the
 product), ``exclude`` (partial assignments whose matching combinations are dropped) and ``include`` (extra runs,
 each a set of overrides on the base). Optional ``name`` (default: the file's stem), ``profile`` (the default
-resource profile) and ``parallelism`` (most runs at once). Every run is built with ``build_config`` and its
+resource profile) and ``parallelism`` (most runs at once). Every run is built as ``build_config`` builds it and its
 variant checked against its model size before anything is submitted, so a bad grid fails as one sentence.
 """
 

@@ -191,13 +191,14 @@ class TestFullDisk:
         d = disk(3 * 1024 * 1024)
         ckpt = d.path / "ckpt" / "last.ckpt"
         state = {"w": torch.randn(500_000, generator=torch.Generator().manual_seed(rng_seed))}  # 2 MB
+        if not d.real:  # every fsync fails: the first save already meets the full disk
+            with pytest.raises(hio.DiskFull):
+                AtomicCheckpointIO().save_checkpoint(state, ckpt)
+            assert not ckpt.exists() and not temp_files(d.path)
+            return
         AtomicCheckpointIO().save_checkpoint(state, ckpt)
         before = ckpt.read_bytes()
         state["w"] = state["w"] * 2
-        if not d.real:
-            with pytest.raises(hio.DiskFull):
-                AtomicCheckpointIO().save_checkpoint(state, ckpt)
-            return
         with pytest.raises(hio.DiskFull) as e:
             AtomicCheckpointIO().save_checkpoint(state, ckpt)
         message = str(e.value)
@@ -288,7 +289,7 @@ class TestDamagedRunFile:
         assert "nothing to cancel" in out
 
 
-@pytest.mark.parametrize("how", ["truncated", "binary"])
+@pytest.mark.parametrize("how", ["truncated"])  # every kind of damage reads alike; the status test runs them all
 @pytest.mark.parametrize("name", RUN_FILES)
 def test_train_and_report_read_past_a_damaged_run_file(capsys, tmp_path, finished_sweep, name, how):
     """Report lists the run (or says why not); training the run again reads past the damage and rewrites."""
@@ -608,12 +609,12 @@ class TestPermissions:
         for path in (tmp_path / "atomic.txt", tmp_path / "sub" / "atomic.json"):
             assert stat.S_IMODE(path.stat().st_mode) == expected, oct(path.stat().st_mode)
 
-    def test_a_run_directory_is_group_readable(self, tmp_path):
-        code = ("import os, sys; os.umask(0o002); from harness.cli import main; "
-                "sys.exit(main(sys.argv[1:]))")
-        proc = subprocess.run([sys.executable, "-c", code, "train", *TRAIN_ARGS, "--out", str(tmp_path / "run")],
-                              cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy())
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    def test_a_run_directory_is_group_readable(self, capsys, tmp_path):
+        old = os.umask(0o002)
+        try:
+            succeeds(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run")])
+        finally:
+            os.umask(old)
         files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
         assert len(files) >= 8
         for p in files:
