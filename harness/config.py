@@ -117,8 +117,11 @@ class TrainConfig:
     """Training sequence length; 0 means the model's max_seq_len."""
     max_steps: int = 0
     """Optimizer steps; 0 means the token budget below decides."""
+    tokens: int = 0
+    """Tokens to train on (rounded up to whole steps) when max_steps is 0; 0 means tokens_per_param decides."""
     tokens_per_param: float = 20.0
-    """Token budget per model parameter when max_steps is 0."""
+    """Token budget per parameter of the baseline (PreLN at this size; a grid's report.baseline), when
+    max_steps and tokens are 0. Counted against the baseline so every variant trains on the same tokens."""
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -150,15 +153,19 @@ class TrainConfig:
         for name in ("batch_size", "log_every_steps", "val_every_steps", "ckpt_every_steps", "devices", "num_nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("seq_len", "max_steps", "warmup_steps", "val_batches"):
+        for name in ("seq_len", "max_steps", "tokens", "warmup_steps", "val_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be zero or positive, got {getattr(self, name)}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"train.seed must be an integer from 0 to {MAX_SEED}, got {self.seed}")
         # Written as "not in range" so that nan, which fails every comparison, fails these too.
-        for name in ("lr", "tokens_per_param"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.max_steps and self.tokens:
+            raise ValueError(f"train.max_steps ({self.max_steps}) and train.tokens ({self.tokens}) both fix the "
+                             "budget; set one of them and leave the other 0")
+        if not 0 < self.tokens_per_param < math.inf:
+            raise ValueError(f"train.tokens_per_param must be a positive number, got {self.tokens_per_param}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"train.lr must be positive, got {self.lr}")
         if not self.max_grad_norm_diverge > 0:  # inf is allowed: never stop on the gradient norm alone
             raise ValueError(f"train.max_grad_norm_diverge must be positive, got {self.max_grad_norm_diverge}")
         for name in ("weight_decay", "grad_clip"):

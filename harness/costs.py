@@ -36,6 +36,18 @@ def preln_flops_per_token(model: ModelConfig, seq_len: int | None = None) -> int
     return 2 * matmuls + model.n_blocks * 4 * T * d
 
 
+def matched_width_cost(model: ModelConfig, mixer) -> tuple[int, int]:
+    """Parameters and forward FLOPs per token that a parameter-matched model (``preln(match=...)``) adds over PreLN
+    by widening its MLPs: ``3 d`` parameters and ``6 d`` FLOPs per extra hidden unit and block; (0, 0) otherwise."""
+    target = mixer.params_to_match()
+    if not target:
+        return 0, 0
+    from harness.factory import matched_ffn_hidden
+
+    units = (matched_ffn_hidden(model, target, mixer.extra_params()) - model.ffn_hidden) * model.n_blocks
+    return 3 * model.d_model * units, 6 * model.d_model * units
+
+
 def cost_table(preset: str, specs: list[str] | None = None) -> pd.DataFrame:
     """One row per variant (every registered one, default knobs, unless ``specs`` names some) at ``preset``."""
     import variants
@@ -48,8 +60,9 @@ def cost_table(preset: str, specs: list[str] | None = None) -> pd.DataFrame:
         # Parameters on the meta device have shapes but no storage: counting them allocates nothing.
         with torch.device("meta"):
             mixer = variants.build(spec, d_model=model.d_model, n_layers=model.n_layers)
-        params = mixer.extra_params()
-        flops = mixer.extra_flops_per_token()
+        widened_params, widened_flops = matched_width_cost(model, mixer)
+        params = mixer.extra_params() + widened_params
+        flops = mixer.extra_flops_per_token() + widened_flops
         rows.append({
             "variant": variants.canonical(spec),
             "params_added": params,

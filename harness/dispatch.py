@@ -675,10 +675,19 @@ def describe_plan(p: Plan) -> str:
     keys = []
     for r in p.runs:
         keys += [k for k in r.overrides if k not in keys]
-    rows = [{"run_id": r.run_id, **{k: r.overrides.get(k, "") for k in keys}, "action": p.decisions.get(r.run_id)}
+    from harness.budget import train_steps, tokens_per_step
+
+    rows = [{"run_id": r.run_id, **{k: r.overrides.get(k, "") for k in keys}, "steps": train_steps(r.cfg),
+             "tokens": train_steps(r.cfg) * tokens_per_step(r.cfg), "action": p.decisions.get(r.run_id)}
             for r in p.runs]
     lines = [f"sweep {p.grid.name}: {len(p.runs)} run(s) in {p.sweep_dir}",
-             format_rows(rows, ["run_id", *keys, "action"])]
+             format_rows(rows, ["run_id", *keys, "steps", "tokens", "action"])]
+    budgets = sorted({(row["steps"], row["tokens"]) for row in rows})
+    if len(budgets) == 1:
+        lines.append(f"budget: every run trains {budgets[0][0]:,} steps on {budgets[0][1]:,} tokens")
+    else:
+        lines.append(f"budget: the runs train on {len(budgets)} different budgets, from {budgets[0][1]:,} to "
+                     f"{budgets[-1][1]:,} tokens (the grid varies the budget or the model size)")
     pr = p.profile
     res = (f"resources ({p.executor}, profile {pr.name}): partition={pr.partition or '(default)'} "
            f"account={pr.account or '-'} qos={pr.qos or '-'} time={pr.time_min}min nodes={pr.nodes} "

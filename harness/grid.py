@@ -47,6 +47,8 @@ class Grid:
     profile: str | None = None
     parallelism: int | None = None
     description: str = ""
+    baseline: str = "preln"
+    """The variant a per-parameter token budget is counted against (the grid's ``report.baseline``)."""
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +132,20 @@ def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str 
     return Grid(name=name, source=source, base=_mapping(data.get("base"), "base", source), axes=axes, zips=zips,
                 include=list(data.get("include") or []), exclude=list(data.get("exclude") or []),
                 profile=data.get("profile"), parallelism=parallelism,
-                description=str(data.get("description") or ""))
+                description=str(data.get("description") or ""), baseline=_baseline(data.get("report"), source))
+
+
+def _baseline(report: Any, source: str) -> str:
+    """The report's baseline variant, which every run's token budget is counted against."""
+    baseline = report.get("baseline") if isinstance(report, dict) else None
+    if baseline is None:
+        return "preln"
+    if not isinstance(baseline, str):
+        raise UsageError(f"report.baseline in {source} must be a variant name, got {baseline!r}.")
+    import variants
+
+    variants.validate(baseline)
+    return baseline
 
 
 def load_grid(path: str | Path) -> Grid:
@@ -179,8 +194,10 @@ def expand(grid: Grid, *, defaults: dict[str, Any] | None = None) -> list[GridRu
     ``defaults`` is a config layer under the grid's base (a resource profile's ``slurm`` and device settings).
     """
     import variants
+    from harness import budget
 
     builder = ConfigBuilder(nest(defaults or {}), nest(grid.base), source=grid.source)
+    counted: dict = {}  # the baseline's parameter count per model size, built once
     runs: list[GridRun] = []
     seen: dict[str, dict[str, Any]] = {}
     checked: set[tuple] = set()
@@ -190,6 +207,8 @@ def expand(grid: Grid, *, defaults: dict[str, Any] | None = None) -> list[GridRu
         if (cfg.variant, cfg.model.d_model, cfg.model.n_layers) not in checked:
             variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
             checked.add((cfg.variant, cfg.model.d_model, cfg.model.n_layers))
+        # One budget for every run of a model size: tokens per parameter of the baseline, not of each variant.
+        cfg = budget.resolve(cfg, grid.baseline, cache=counted)
         rid = run_id(cfg)
         if rid in seen:
             raise UsageError(f"Two runs of {grid.source} collide as {rid!r}: {_describe(seen[rid])} and "

@@ -17,20 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.config import ModelConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        # At least float32 for the statistics, but never below the input precision (float64 stays float64).
-        dt = torch.promote_types(x.dtype, torch.float32)
-        y = x.to(dt)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+from variants.layers import RMSNorm  # noqa: F401  (shared with the mixers; importable from here as before)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None):

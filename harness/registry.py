@@ -77,6 +77,17 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def _top_level(body: str) -> list[str]:
+    """``body`` split at the commas outside parentheses, so a knob's value may itself be a name with knobs."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(body):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(body[start:i])
+            start = i + 1
+    return parts + [body[start:]]
+
+
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """Split ``name(k=v,k=v)`` into the name and the knob texts."""
     m = _SPEC.match(spec or "")
@@ -85,7 +96,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     name, body = m.group(1), m.group(2)
     knobs: dict[str, str] = {}
     if body and body.strip():
-        for part in body.split(","):
+        for part in _top_level(body):
             if "=" not in part:
                 raise UsageError(f"Cannot read {part.strip()!r} in {spec!r}: write each knob as knob=value.")
             k, v = (s.strip() for s in part.split("=", 1))

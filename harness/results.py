@@ -63,6 +63,21 @@ class Run:
         return str(self.status.get("message") or "")
 
     @property
+    def budget(self) -> tuple[int | None, int | None]:
+        """``(train_steps, train_tokens)``: from summary.json, else from a config that fixes them (None if unknown)."""
+        summary = self.summary or {}
+        steps, tokens = summary.get("train_steps"), summary.get("train_tokens")
+        if isinstance(steps, int) and isinstance(tokens, int):
+            return steps, tokens
+        train, model = self.config.get("train") or {}, self.config.get("model") or {}
+        try:
+            per_step = int(train["batch_size"]) * int(train.get("seq_len") or model["max_seq_len"])
+            steps = int(train.get("max_steps") or 0) or math.ceil(int(train.get("tokens") or 0) / per_step)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return None, None
+        return (steps, steps * per_step) if steps else (None, None)
+
+    @property
     def final_loss(self) -> float | None:
         """The final validation loss of a finished run, or None when it does not count."""
         if self.state != FINISHED or not self.summary:
@@ -249,7 +264,7 @@ def knobs_text(knobs: dict[str, str]) -> str:
 
 def _run_column_names(knob_names: list[str]) -> list[str]:
     return ["run_id", "run_dir", "setting", "variant", "base", "knobs", *(f"knob_{k}" for k in knob_names),
-            "preset", "seed", "state"]
+            "preset", "seed", "state", "train_tokens", "train_steps"]
 
 
 def _run_columns(run: Run, knob_names: list[str]) -> dict[str, Any]:
@@ -257,7 +272,8 @@ def _run_columns(run: Run, knob_names: list[str]) -> dict[str, Any]:
                             "variant": run.variant, "base": run.base, "knobs": knobs_text(run.knobs)}
     for k in knob_names:
         cols[f"knob_{k}"] = run.knob_values.get(k, "")
-    cols.update(preset=run.preset, seed=run.seed, state=run.state)
+    steps, tokens = run.budget
+    cols.update(preset=run.preset, seed=run.seed, state=run.state, train_tokens=tokens, train_steps=steps)
     return cols
 
 
@@ -282,7 +298,8 @@ def aggregate(root: str | Path | Sweep) -> pd.DataFrame:
         final_step, final_tokens = _as_float(summary.get("step")), _as_float(summary.get("tokens"))
         for metric in sorted(summary):
             value = _as_float(summary[metric])
-            if metric in ("step", "tokens") or value is None or isinstance(summary[metric], bool):
+            if metric in ("step", "tokens", "train_tokens", "train_steps") or value is None \
+                    or isinstance(summary[metric], bool):
                 continue
             rows.append({**base, "source": "final", "task": "", "step": final_step, "tokens": final_tokens,
                          "metric": metric, "value": value, "stderr": None})
@@ -301,6 +318,8 @@ def aggregate(root: str | Path | Sweep) -> pd.DataFrame:
     for col in ("value", "stderr"):
         frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("float64")
     frame["seed"] = frame["seed"].astype("int64")
+    for col in ("train_tokens", "train_steps"):
+        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
     return frame.reset_index(drop=True)
 
 

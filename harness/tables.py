@@ -2,9 +2,11 @@
 
 Every table keeps two frames: ``data`` with the numbers at full precision (written as CSV, what tests and
 plots read) and ``display`` with the formatted cells. Means over seeds carry a two-sided 95% Student-t
-interval; differences to a reference variant carry a Welch interval (unequal variances, Welch–Satterthwaite
-degrees of freedom), which needs no pairing of seeds. One seed gives no interval, and the cell says so. Only
-finished runs (state ``done`` with a finite final validation loss) enter any average; the rest are listed.
+interval; a difference to a reference variant is paired where the two share seeds (a t-interval of the per-seed
+differences, ``harness.stats.compare``) and a Welch interval only where they do not; the column says which. One
+seed gives no interval, and the cell says so. Only finished runs (state ``done`` with a finite final validation
+loss) enter any average; the rest are listed. A difference is only taken between runs that trained on the same
+number of tokens: a row whose runs trained on another budget than the reference's gets no Δ, and says why.
 """
 
 from __future__ import annotations
@@ -39,7 +41,23 @@ class Table:
 
 # -- statistics --------------------------------------------------------------------------------------------
 
-from harness.stats import mean_ci, welch_ci  # noqa: E402  (re-exported: figures and tests read them here)
+from harness.stats import compare, mean_ci, welch_ci  # noqa: E402,F401  (re-exported: figures and tests read them)
+
+
+def train_tokens(run: Run) -> int | None:
+    """Tokens a finished run trained on: ``train_tokens`` of its summary, else the tokens of its last step."""
+    summary = run.summary or {}
+    for key in ("train_tokens", "tokens"):
+        value = summary.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return int(value)
+    return None
+
+
+def budget_text(tokens: set[int | None]) -> str:
+    known = sorted(t for t in tokens if t is not None)
+    words = [fmt_count(t) for t in known] + (["unknown"] if None in tokens else [])
+    return " and ".join(words) + " tokens"
 
 
 # -- grouping ----------------------------------------------------------------------------------------------
@@ -124,28 +142,48 @@ def _with_setting(rows: list[dict], show_setting: bool) -> list[dict]:
 # -- the tables --------------------------------------------------------------------------------------------
 
 def _comparison_rows(groups: dict[tuple[str, str], list[Run]], keys: list[tuple[str, str]], reference: str,
-                     *, with_ppl: bool) -> tuple[list[dict], list[dict]]:
+                     *, with_ppl: bool) -> tuple[list[dict], list[dict], dict]:
+    """Rows of a comparison with ``reference``, and what the notes must say: the interval methods used, and the
+    budgets that kept a row from being compared."""
     data, display = [], []
+    used = {"methods": set(), "refused": [], "tokens": set()}
     for setting, variant in keys:
         runs = [r for r in groups[(setting, variant)] if r.final_loss is not None]
-        ref = [r.final_loss for r in groups.get((setting, reference), []) if r.final_loss is not None]
+        ref_runs = [r for r in groups.get((setting, reference), []) if r.final_loss is not None]
         losses = [r.final_loss for r in runs]
         loss, loss_half, n = mean_ci(losses)
         ppl, ppl_half, _ = mean_ci(_ppl(r) for r in runs)
-        diff, diff_half, dof = welch_ci(losses, ref) if variant != reference else (0.0, 0.0, math.nan)
+        tokens, ref_tokens = {train_tokens(r) for r in runs}, {train_tokens(r) for r in ref_runs}
+        used["tokens"] |= tokens
+        same_budget = not runs or not ref_runs or (len(tokens | ref_tokens) == 1 and None not in tokens)
+        diff = half = math.nan
+        method = ""
+        if variant == reference:
+            diff, half = 0.0, 0.0
+        elif runs and ref_runs and same_budget:
+            c = compare({r.seed: r.final_loss for r in ref_runs}, {r.seed: r.final_loss for r in runs})
+            diff, half, method = c.delta, c.half_width, c.method
+            used["methods"].add(method)
         row = {"setting": setting, "variant": variant, "base": runs[0].base if runs else "",
                "knobs": knobs_text(groups[(setting, variant)][0].knobs), "seeds": n,
                "val_loss": loss, "val_loss_ci95": loss_half}
         if with_ppl:
             row.update(val_ppl=ppl, val_ppl_ci95=ppl_half)
-        row.update(delta=diff, delta_ci95=diff_half, welch_dof=dof)
+        row.update(delta=diff, delta_ci95=half, delta_method=method,
+                   train_tokens=next(iter(tokens)) if len(tokens) == 1 else None)
         data.append(row)
         if variant == reference:
             delta_text = "reference"
-        elif not ref:
+        elif not ref_runs:
             delta_text = f"— (no finished {reference} run)"
+        elif not same_budget:
+            delta_text = f"— (trained on {budget_text(tokens)}, {reference} on {budget_text(ref_tokens)})"
+            used["refused"].append(variant)
+        elif not runs:
+            delta_text = "—"
         else:
-            delta_text = fmt_delta(diff, diff_half, 4)
+            # One seed on a side already reads "no CI: one seed"; the others name their interval.
+            delta_text = fmt_delta(diff, half, 4) + ("" if math.isnan(half) else f" ({method})")
         shown = {"Setting": setting, "Variant": variant, "Seeds": str(n),
                  "Val loss (95% CI)": fmt_ci(loss, loss_half, n, 4)}
         if with_ppl:
@@ -153,9 +191,38 @@ def _comparison_rows(groups: dict[tuple[str, str], list[Run]], keys: list[tuple[
         else:
             shown = {"Setting": setting, "Variant": variant, "Knobs": row["knobs"], "Seeds": str(n),
                      "Val loss (95% CI)": shown["Val loss (95% CI)"]}
-        shown[f"Δ loss vs {reference} (Welch 95% CI)"] = delta_text
+        shown[f"Δ loss vs {reference} (95% CI, method)"] = delta_text
         display.append(shown)
-    return data, display
+    return data, display, used
+
+
+def _comparison_notes(used: dict, reference: str, display: list[dict],
+                      rows: list[dict]) -> list[str]:
+    """How the Δ column was computed, and the training budget of the compared runs."""
+    methods = used["methods"]
+    notes = []
+    if methods:
+        words = {"paired t": "paired t-interval of the per-seed differences where the runs share seeds",
+                 "Welch": "Welch interval (unequal variances) where they share none",
+                 "one seed": "no interval where a side has one seed"}
+        notes.append(f"Δ is the row − {reference} in final validation loss with a 95% interval: "
+                     + "; ".join(words[m] for m in ("paired t", "Welch", "one seed") if m in methods)
+                     + ". Negative Δ is better.")
+    tokens = {t for t in used["tokens"] if t is not None}
+    if used["refused"]:
+        notes.append(f"No Δ for {', '.join(used['refused'])}: their runs trained on another number of tokens "
+                     f"than {reference}'s, so a difference would mix the method with the budget.")
+    if len(tokens) == 1:
+        notes.append(f"Every run trained on {fmt_count(next(iter(tokens)))} tokens.")
+    elif len(tokens) > 1:
+        # The budget varies between settings on purpose (an axis of the grid): say so in every row.
+        for shown, row in zip(display, rows):
+            value = row.get("train_tokens")
+            shown["Train tokens"] = "—" if value is None or (isinstance(value, float) and math.isnan(value)) \
+                else fmt_count(value)
+        notes.append("The training budget differs between rows (column Train tokens); Δ is only taken between "
+                     "runs of one budget.")
+    return notes
 
 
 def main_table(sweep: Sweep, baseline: str = "preln") -> Table:
@@ -163,10 +230,10 @@ def main_table(sweep: Sweep, baseline: str = "preln") -> Table:
     baseline = split_variant(baseline)[0]
     groups = group_runs(sweep.runs)
     show_setting = any(s for s, _ in groups)
-    data, display = _comparison_rows(groups, _ordered_keys(groups, baseline), baseline, with_ppl=True)
-    notes = [f"Mean over seeds ± half-width of the two-sided 95% Student-t interval; Δ is variant − {baseline} in "
-             "validation loss with a Welch 95% interval (unequal variances, seeds not paired). Negative Δ is better. "
-             "Only finished runs are counted; a cell with one seed has no interval."]
+    data, display, used = _comparison_rows(groups, _ordered_keys(groups, baseline), baseline, with_ppl=True)
+    notes = ["Mean over seeds ± half-width of the two-sided 95% Student-t interval. Only finished runs are "
+             "counted; a cell with one seed has no interval.",
+             *_comparison_notes(used, baseline, display, data)]
     return Table("main", "Main comparison: final validation loss and perplexity", pd.DataFrame(data),
                  pd.DataFrame(_with_setting(display, show_setting)), notes)
 
@@ -179,9 +246,9 @@ def ablation_table(sweep: Sweep, reference: str = "ldm-rls") -> Table | None:
         return None
     groups = group_runs(runs)
     show_setting = any(s for s, _ in groups)
-    data, display = _comparison_rows(groups, _ordered_keys(groups, reference), reference, with_ppl=False)
-    notes = [f"Variants whose base is {' or '.join(LDM_BASES)}; Δ is the row − {reference} (its defaults) in final "
-             "validation loss, Welch 95% interval. Negative Δ is better."]
+    data, display, used = _comparison_rows(groups, _ordered_keys(groups, reference), reference, with_ppl=False)
+    notes = [f"Variants whose base is {' or '.join(LDM_BASES)}, against {reference} at its defaults.",
+             *_comparison_notes(used, reference, display, data)]
     return Table("ablations", f"LDM ablations against the default {reference}", pd.DataFrame(data),
                  pd.DataFrame(_with_setting(display, show_setting)), notes)
 

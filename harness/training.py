@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import os
 import random
@@ -32,8 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness import budget
 from harness import data as datalib
 from harness import rundir
+from harness.budget import seq_len_of
 from harness.config import RunConfig
 from harness.errors import RunFailed, UsageError
 from harness.io import (DiskFull, atomic_write_bytes, atomic_write_json, atomic_write_text, check_checkpoint_room,
@@ -41,6 +44,7 @@ from harness.io import (DiskFull, atomic_write_bytes, atomic_write_json, atomic_
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
+DEPTH_STATS = "depth_stats.jsonl"
 
 
 # -- plain pieces (no Lightning) ------------------------------------------------------------------------------
@@ -76,15 +80,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def seq_len_of(cfg: RunConfig) -> int:
-    return cfg.train.seq_len or cfg.model.max_seq_len
-
-
-def total_steps(cfg: RunConfig, n_params: int) -> int:
-    """``train.max_steps``, or the steps that spend ``tokens_per_param`` tokens per parameter."""
-    if cfg.train.max_steps:
-        return cfg.train.max_steps
-    return max(1, math.ceil(cfg.train.tokens_per_param * n_params / (cfg.train.batch_size * seq_len_of(cfg))))
+def total_steps(cfg: RunConfig) -> int:
+    """``train.max_steps``, or the steps of its token budget (``harness.budget``)."""
+    return budget.train_steps(cfg)
 
 
 def is_diverged(loss: float, grad_norm: float, limit: float) -> bool:
@@ -125,6 +123,25 @@ def _csv_text(columns: list[str], rows: list[dict]) -> str:
 def _read_rows(path: Path, up_to_step: int) -> list[dict]:
     """Rows of an earlier segment of this run, up to the step it is resumed from."""
     return rundir.read_metric_rows(path, up_to_step)
+
+
+def _read_jsonl(path: Path, up_to_step: int) -> list[dict]:
+    """Records of an earlier segment of this run, up to the step it is resumed from (a torn last line is dropped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= up_to_step:
+            records.append(rec)
+    return records
+
+
+def _plus(value: int | None, more: int) -> int | None:
+    return None if value is None else value + more
 
 
 def _safe_cost(fn) -> Any:
@@ -271,6 +288,8 @@ class RunFiles(pl.Callback):
         self.cfg, self.run_dir, self.ckpt_path, self.plain_logs = cfg, run_dir, ckpt_path, plain_logs
         self.metrics = _read_rows(run_dir / "metrics.csv", resume_step)
         self.layers = _read_rows(run_dir / "layers.csv", resume_step)
+        # What the mixer learned (its forgetting factors, importance weights), one record per validation.
+        self.depth_stats = _read_jsonl(run_dir / DEPTH_STATS, resume_step)
         self.tokens_per_step = cfg.train.batch_size * seq_len_of(cfg)
         self.last_loss: float | None = None
         self._mark = (time.time(), resume_step)
@@ -290,6 +309,11 @@ class RunFiles(pl.Callback):
             for l, s in enumerate(layer_stats(module.model, trace)):
                 self.layers.append({"step": step, **s, "grad_norm": None if grads is None else grads[l]})
             atomic_write_text(self.run_dir / "layers.csv", _csv_text(LAYERS_COLUMNS, self.layers))
+            learned = module.model.mixer.learned_statistics(trace)
+            if learned:
+                self.depth_stats.append({"step": step, **learned})
+                atomic_write_text(self.run_dir / DEPTH_STATS,
+                                  "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.depth_stats))
 
     def _write_row(self, trainer, row: dict) -> None:
         if not trainer.is_global_zero:
@@ -476,7 +500,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     for noise in (".*does not have many workers.*", ".*The `srun` command is available.*", ".*LeafSpec.*"):
         warnings.filterwarnings("ignore", noise)  # advice that does not apply to these runs
     model = build_model(cfg.model, cfg.variant)
-    total = total_steps(cfg, model.num_params())
+    total = total_steps(cfg)
     resume_from = ckpt_path if resume and ckpt_path.exists() else None
     resume_step = 0
     if resume_from is not None:
@@ -489,7 +513,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         rundir.write_env(run_dir)
         toklib.save_to_run(tok, run_dir)
         if resume_from is None:
-            for name in ("metrics.csv", "layers.csv", "summary.json", "mixing.json"):
+            for name in ("metrics.csv", "layers.csv", "summary.json", "mixing.json", DEPTH_STATS):
                 (run_dir / name).unlink(missing_ok=True)
         what = f"resuming at step {resume_step}" if resume_from else "starting"
         rundir.write_status(run_dir, "running", step=resume_step, last_loss=status.get("last_loss"),
@@ -497,7 +521,8 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     plain_logs = not sys.stderr.isatty()
     if rank0 and plain_logs:
         print(f"depthmem: {cfg.variant} {cfg.model.preset}, {model.num_params():,} parameters, {total} steps "
-              f"of {cfg.train.batch_size}x{seq_len} tokens ({what}); writing {run_dir}", flush=True)
+              f"of {cfg.train.batch_size}x{seq_len} tokens = {total * cfg.train.batch_size * seq_len:,} tokens "
+              f"({what}); writing {run_dir}", flush=True)
 
     module = LitDecoder(cfg, model, total=total, val_windows=torch.from_numpy(val), byte_lengths=byte_lengths,
                         tokenizer_spec=tok.spec())
@@ -542,14 +567,20 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     val_loss = float(measured[-1]["val_loss"]) if measured else None
     val_bpb = float(measured[-1]["val_bpb"]) if measured else None
     mixer = model.mixer
+    from harness.costs import matched_width_cost
+
+    widened_params, widened_flops = matched_width_cost(cfg.model, mixer)  # nonzero only for preln(match=...)
     summary = {
         "val_loss": val_loss, "val_bpb": val_bpb, "val_ppl": math.exp(val_loss) if val_loss is not None else None,
         "step": trainer.global_step, "tokens": trainer.global_step * files.tokens_per_step,
-        "params": model.num_params(), "extra_params": _safe_cost(mixer.extra_params),
+        "train_steps": total, "train_tokens": total * files.tokens_per_step,
+        "params": model.num_params(), "extra_params": _plus(_safe_cost(mixer.extra_params), widened_params),
         "stream_floats_per_token": _safe_cost(mixer.stream_floats_per_token),
-        "extra_flops_per_token": _safe_cost(mixer.extra_flops_per_token),
+        "extra_flops_per_token": _plus(_safe_cost(mixer.extra_flops_per_token), widened_flops),
         "tokens_per_s": files.segment_tokens_per_s, "peak_mem_bytes": peak_memory_bytes(), "wall_s": wall,
     }
+    if files.depth_stats:
+        summary["depth_memory"] = {k: v for k, v in files.depth_stats[-1].items() if k != "step"}
     model.float().eval()
     try:
         mixing = diagnostics.mixing_summary(model, module.val_windows[:4, :-1])

@@ -125,3 +125,16 @@ def test_one_group_is_priced_as_the_dual_form_that_runs(name):
     recurrent = mixer.extra_flops_per_token()
     assert table.loc[f"{name}(groups=1)", "extra_flops_per_token"] == dual
     assert dual < recurrent / 2
+
+
+@pytest.mark.parametrize("target", ["ldm-rls", "mhc"])
+def test_parameter_matched_preln_counts_its_wider_mlps(target, rng_seed):
+    cfg = model_preset("tiny")
+    row = cost_table("tiny", [f"preln(match={target})"]).iloc[0]
+    model = build_model(cfg, f"preln(match={target})")
+    assert row["params_added"] == model.num_params() - preln_params(cfg) > 0
+    assert row["stream_floats_per_token"] == cfg.d_model
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len))
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(idx)
+    assert row["extra_flops_per_token"] == counter.get_total_flops() / idx.numel() - preln_flops_per_token(cfg)

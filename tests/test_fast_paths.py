@@ -124,3 +124,30 @@ def test_collected_write_gradients_survive_a_second_backward(spec, rng_seed):
         if name in once:
             torch.testing.assert_close(p.grad, 2 * once[name], rtol=1e-12, atol=1e-14, msg=name)
     assert any(n.startswith("mixer.keys") for n in once)
+
+
+def _whiten_formula(k, v, ridge, *writes):
+    """The Gram–Schmidt step of the RLS dual form, as plain tensor algebra for autograd."""
+    n = len(writes) // 2
+    coeffs = [(kj * k).sum(-1, keepdim=True) for kj in writes[:n]]
+    k_rest = k - sum(c * kj for c, kj in zip(coeffs, writes[:n]))
+    v_rest = v - sum(c * vj for c, vj in zip(coeffs, writes[n:]))
+    delta = ((k * k).sum(-1, keepdim=True) + ridge.unsqueeze(-1) - sum(c * c for c in coeffs)).sqrt()
+    return torch.cat([k_rest / delta, v_rest / delta], -1)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_whiten_backward_equals_autograd_on_its_formula(n, rng_seed):
+    from variants import rls
+
+    b, g, dk, dv = 3, 2, 4, 5
+    k, v = torch.randn(b, g, dk, **F64), torch.randn(b, g, dv, **F64)
+    ridge = torch.empty(b, g, **F64).uniform_(0.2, 1.0)
+    keys = [0.05 * torch.randn(b, g, dk, **F64) for _ in range(n)]  # small enough that δ² stays above the floor
+    values = [torch.randn(b, g, dv, **F64) for _ in range(n)]
+
+    def fast(k, v, ridge, *writes):
+        kt, vt, _ = rls.whiten(k, v, ridge, tuple(writes[:n]), tuple(writes[n:]))
+        return torch.cat([kt, vt], -1)
+
+    _assert_same(fast, _whiten_formula, [k, v, ridge, *keys, *values])

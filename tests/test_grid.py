@@ -112,22 +112,66 @@ def test_experiment_files_expand():
     for name in ("preln", "ldm", "ldm-rls", "attnres", "attnres-block", "hc", "mhc", "denseformer",
                  "ldm-rls(omega=off)", "ldm-rls(read=memory)", "ldm-rls(residual_write=off)", "ldm-rls(lambda=1.0)",
                  "ldm(read=memory)", "ldm(residual_write=off)", "ldm-rls(lambda=0.9)", "ldm-rls(lambda=0.99)",
-                 "ldm-rls(groups=1,key_dim=48)", "ldm-rls(groups=64,key_dim=48)"):
+                 "ldm-rls(groups=1,key_dim=48)", "ldm-rls(groups=64,key_dim=48)", "preln(match=ldm-rls)"):
         assert name in variants_run
     assert {r.cfg.train.seed for r in paper.runs} == {0, 1, 2}
     assert {r.cfg.model.preset for r in paper.runs} == {"gpt2-small"}
 
 
 def test_paper_dry_run_warns_about_the_missing_corpus_and_submission_refuses(capsys):
+    import math
+
+    from harness.config import model_preset
+    from harness.factory import build_model
+
     grid = str(ROOT / "experiments" / "paper.yaml")
     assert main(["sweep", grid, "--dry-run", "--results", "/nonexistent-results"]) == 0
     out = capsys.readouterr().out
     assert "warning: the corpus /path/to/fineweb-edu-shards does not exist" in out
     assert "gpus_per_node=4" in out and "at most 8 at a time" in out
+    # One budget for all: 20 tokens per parameter of PreLN at GPT-2 small, in whole steps of 256 x 1024 tokens.
+    n = build_model(model_preset("gpt2-small"), "preln").num_params()
+    steps = math.ceil(math.ceil(20.0 * n) / (256 * 1024))
+    assert f"budget: every run trains {steps:,} steps on {steps * 256 * 1024:,} tokens" in out
+    n_runs = int(out.split(" run(s)")[0].split()[-1])
+    assert out.count(f" {steps} {steps * 256 * 1024} ") == n_runs > 70  # on every run's line
     assert main(["sweep", grid, "--results", "/nonexistent-results"]) == 2
     err = capsys.readouterr().err
     assert "does not exist yet" in err and "Traceback" not in err
     assert not Path("/nonexistent-results").exists()
+
+
+def test_budget_counts_against_the_report_baseline_or_takes_explicit_tokens(tmp_path):
+    import math
+
+    from harness.budget import train_steps
+    from harness.factory import build_model
+
+    grid = {"base": {"model": {"preset": "tiny"}, "train": {"batch_size": 4, "seq_len": 16,
+                                                           "tokens_per_param": 2.5}},
+            "axes": {"variant": ["preln", "ldm-rls", "hc"]}, "report": {"baseline": "ldm-rls(groups=4)"}}
+    runs = expand(grid_of(grid))
+    n = build_model(runs[0].cfg.model, "ldm-rls(groups=4)").num_params()
+    assert {r.cfg.train.tokens for r in runs} == {math.ceil(2.5 * n)}
+    assert {train_steps(r.cfg) for r in runs} == {math.ceil(math.ceil(2.5 * n) / 64)}
+    # The default baseline: PreLN. An explicit token count or step count is kept as given.
+    assert {r.cfg.train.tokens for r in expand(grid_of({**grid, "report": {}}))} == \
+        {math.ceil(2.5 * build_model(runs[0].cfg.model, "preln").num_params())}
+    explicit = expand(grid_of({**grid, "base": {**grid["base"], "train.tokens": 1000}}))
+    assert {(r.cfg.train.tokens, train_steps(r.cfg)) for r in explicit} == {(1000, 16)}
+    steps = expand(grid_of({**grid, "base": {**grid["base"], "train.max_steps": 7}}))
+    assert {(r.cfg.train.tokens, train_steps(r.cfg)) for r in steps} == {(0, 7)}
+    # A budget axis gives each model size and budget its own count, the same for every variant within it.
+    varied = expand(grid_of({**grid, "axes": {**grid["axes"], "train.tokens_per_param": [1.0, 2.0],
+                                              "model.n_blocks": [2, 3]}}))
+    by_budget = {}
+    for r in varied:
+        by_budget.setdefault((r.cfg.train.tokens_per_param, r.cfg.model.n_blocks), set()).add(r.cfg.train.tokens)
+    assert len(by_budget) == 4 and all(len(v) == 1 for v in by_budget.values())
+    assert len({next(iter(v)) for v in by_budget.values()}) == 4
+    expect_error("both fix the budget", expand, grid_of({**grid, "base": {**grid["base"], "train.tokens": 1000,
+                                                                          "train.max_steps": 3}}))
+    expect_error("report.baseline", grid_of, {**grid, "report": {"baseline": 3}})
 
 
 # -- validation errors: one sentence each, before anything is submitted --------------------------------------

@@ -28,6 +28,7 @@ RUNS = [
     ("ldm-rls(groups=4)", (0, 1), "done", ""),
     ("ldm-rls(omega=off)", (0, 1, 2), "done", ""),
     ("attnres", (0,), "done", ""),
+    ("denseformer", (7, 8, 9), "done", ""),  # seeds no other variant has: a Welch interval
     ("hc", (0,), "failed", "CUDA out of memory at step 12"),
     ("ldm", (5,), "diverged", "non-finite loss at step 30"),
     ("preln", (3,), "running", ""),
@@ -120,9 +121,33 @@ def _row(frame, variant):
     return rows.iloc[0]
 
 
-def test_main_table_means_cis_and_welch_differences_match_scipy(sweep_tree):
+def _by_seed(tree, variant):
+    seeds = next(s for v, s, state, _ in RUNS if v == variant and state == "done")
+    return dict(zip(seeds, _losses(tree, variant)))
+
+
+def test_main_table_differences_are_paired_on_shared_seeds_else_welch_as_scipy_computes(sweep_tree):
     main = pd.read_csv(sweep_tree["out"] / "tables" / "main.csv")
-    base = _losses(sweep_tree, "preln")
+    base = _by_seed(sweep_tree, "preln")
+    for variant in ("ldm-rls", "ldm-rls(omega=off)", "ldm-rls(groups=4)"):
+        own, row = _by_seed(sweep_tree, variant), _row(main, variant)
+        shared = sorted(set(own) & set(base))
+        paired = stats.ttest_rel([own[s] for s in shared], [base[s] for s in shared])
+        ci = paired.confidence_interval(0.95)
+        assert row["delta_method"] == "paired t"
+        assert row["delta"] == pytest.approx(np.mean([own[s] - base[s] for s in shared]), rel=1e-12)
+        assert row["delta_ci95"] == pytest.approx((ci.high - ci.low) / 2, rel=1e-9)
+    x, row = _losses(sweep_tree, "denseformer"), _row(main, "denseformer")
+    welch = stats.ttest_ind(x, list(base.values()), equal_var=False).confidence_interval(0.95)
+    assert row["delta_method"] == "Welch"
+    assert row["delta"] == pytest.approx(x.mean() - np.mean(list(base.values())), rel=1e-12)
+    assert row["delta_ci95"] == pytest.approx((welch.high - welch.low) / 2, rel=1e-9)
+    text = sweep_tree["report"].read_text()
+    assert "(paired t)" in text and "(Welch)" in text and "Every run trained on 40.00K tokens." in text
+
+
+def test_main_table_means_and_cis_match_scipy(sweep_tree):
+    main = pd.read_csv(sweep_tree["out"] / "tables" / "main.csv")
     for variant in ("preln", "ldm-rls", "ldm-rls(omega=off)", "ldm-rls(groups=4)"):
         x, row = _losses(sweep_tree, variant), _row(main, variant)
         lo, hi = stats.t.interval(0.95, len(x) - 1, loc=x.mean(), scale=stats.sem(x))
@@ -133,12 +158,6 @@ def test_main_table_means_cis_and_welch_differences_match_scipy(sweep_tree):
         plo, phi = stats.t.interval(0.95, len(x) - 1, loc=ppl.mean(), scale=stats.sem(ppl))
         assert row["val_ppl"] == pytest.approx(ppl.mean(), rel=1e-12)
         assert row["val_ppl_ci95"] == pytest.approx((phi - plo) / 2, rel=1e-9)
-        if variant != "preln":
-            welch = stats.ttest_ind(x, base, equal_var=False)
-            ci = welch.confidence_interval(0.95)
-            assert row["delta"] == pytest.approx(x.mean() - base.mean(), rel=1e-12)
-            assert row["delta_ci95"] == pytest.approx((ci.high - ci.low) / 2, rel=1e-9)
-            assert row["welch_dof"] == pytest.approx(welch.df, rel=1e-9)
     one_seed = _row(main, "attnres")
     assert one_seed["seeds"] == 1 and math.isnan(one_seed["val_loss_ci95"]) and math.isnan(one_seed["delta_ci95"])
     text = sweep_tree["report"].read_text()
@@ -167,14 +186,16 @@ def test_unfinished_runs_are_listed_and_never_averaged(sweep_tree):
 
 def test_ablation_table_is_against_default_ldm_rls(sweep_tree):
     abl = pd.read_csv(sweep_tree["out"] / "tables" / "ablations.csv")
-    ref = _losses(sweep_tree, "ldm-rls")
+    ref = _by_seed(sweep_tree, "ldm-rls")
     assert abl.iloc[0]["variant"] == split_variant("ldm-rls")[0]
     assert set(abl["variant"]) == {split_variant(v)[0] for v in
                                    ("ldm-rls", "ldm-rls(groups=4)", "ldm-rls(omega=off)", "ldm")}
     for variant in ("ldm-rls(groups=4)", "ldm-rls(omega=off)"):
-        x, row = _losses(sweep_tree, variant), _row(abl, variant)
-        ci = stats.ttest_ind(x, ref, equal_var=False).confidence_interval(0.95)
-        assert row["delta"] == pytest.approx(x.mean() - ref.mean(), rel=1e-12)
+        own, row = _by_seed(sweep_tree, variant), _row(abl, variant)
+        shared = sorted(set(own) & set(ref))
+        ci = stats.ttest_rel([own[s] for s in shared], [ref[s] for s in shared]).confidence_interval(0.95)
+        assert row["delta_method"] == "paired t"
+        assert row["delta"] == pytest.approx(np.mean([own[s] - ref[s] for s in shared]), rel=1e-12)
         assert row["delta_ci95"] == pytest.approx((ci.high - ci.low) / 2, rel=1e-9)
     assert _row(abl, "ldm")["seeds"] == 0  # diverged: shown, not averaged
 
@@ -313,3 +334,51 @@ def test_bad_input_is_one_sentence_naming_allowed_values(tmp_path, capsys, monke
         report(tmp_path / "empty")
     with pytest.raises(UsageError, match="benchmark CSV"):
         report(tmp_path / "empty", bench=tmp_path / "missing.csv")
+
+
+def _budget_runs(root, runs, rng):
+    """Finished runs of (variant, tokens in the summary, train.tokens in the config or None), seeds 0 and 1."""
+    for variant, tokens, configured in runs:
+        for seed in (0, 1):
+            folder = root / f"{variant}-{tokens}-{configured}" / f"s{seed}"
+            summary = _write_run(folder, variant, seed, "done", "", rng)
+            summary.update(train_tokens=tokens, train_steps=tokens // 100)
+            (folder / "summary.json").write_text(json.dumps(summary))
+            if configured is not None:
+                config = json.loads((folder / "config.json").read_text())
+                config["train"]["tokens"] = configured
+                (folder / "config.json").write_text(json.dumps(config))
+    return load_sweep(root)
+
+
+def test_runs_of_different_budgets_are_never_compared(tmp_path, rng_seed):
+    from harness import tables
+
+    rng = np.random.default_rng(rng_seed)
+    # One config for all, but ldm-rls trained on more tokens (a budget counted from each run's own parameters).
+    sweep = _budget_runs(tmp_path / "s", [("preln", 1000, None), ("ldm-rls", 2000, None), ("ldm", 1000, None)], rng)
+    table = tables.main_table(sweep)
+    assert math.isnan(_row(table.data, "ldm-rls")["delta"]) and not math.isnan(_row(table.data, "ldm")["delta"])
+    shown = table.display.set_index("Variant")
+    assert shown.loc["ldm-rls", "Δ loss vs preln (95% CI, method)"] == \
+        "— (trained on 2.00K tokens, preln on 1.00K tokens)"
+    assert list(shown["Train tokens"]) == ["1.00K", "1.00K", "2.00K"]
+    assert any("No Δ for ldm-rls" in n for n in table.notes)
+    tidy = aggregate(sweep)  # every row carries its run's budget, typed
+    assert str(tidy["train_tokens"].dtype) == "Int64" and "train_tokens" not in set(tidy["metric"])
+    assert dict(tidy.groupby("variant")["train_tokens"].unique().map(list)) == {
+        split_variant(v)[0]: [t] for v, t in (("preln", 1000), ("ldm-rls", 2000), ("ldm", 1000))}
+    assert set(tidy["train_steps"]) == {10, 20}
+
+
+def test_a_budget_varied_on_purpose_is_shown_and_compared_within_each_budget(tmp_path, rng_seed):
+    from harness import tables
+
+    rng = np.random.default_rng(rng_seed)
+    sweep = _budget_runs(tmp_path / "s", [("preln", 1000, 1000), ("ldm-rls", 1000, 1000), ("preln", 3000, 3000),
+                                          ("ldm-rls", 3000, 3000)], rng)
+    table = tables.main_table(sweep)
+    assert list(table.display["Train tokens"]) == ["1.00K", "1.00K", "3.00K", "3.00K"]
+    assert set(table.display["Setting"]) == {"train.tokens=1000", "train.tokens=3000"}
+    assert table.data["delta"].notna().all() and set(table.data["delta_method"]) == {"", "paired t"}
+    assert any("training budget differs between rows" in n for n in table.notes)

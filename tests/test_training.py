@@ -15,6 +15,7 @@ import variants
 from harness import data as D
 from harness import rundir
 from harness.checkpoint import load_model
+from harness.diagnostics import traced_forward
 from harness.cli import main as cli_main
 from harness.config import build_config
 from harness.errors import RunFailed, UsageError
@@ -100,6 +101,8 @@ def test_run_directory_contract_and_falling_loss(preln_run):
                 "stream_floats_per_token", "extra_flops_per_token", "tokens_per_s", "peak_mem_bytes", "wall_s"):
         assert key in summary, key
     assert summary["val_loss"] == val[24] and summary["tokens"] == 24 * 8 * 32
+    assert (summary["train_steps"], summary["train_tokens"]) == (24, 24 * 8 * 32)
+    assert "depth_memory" not in summary and not (run / "depth_stats.jsonl").exists()  # PreLN learns no λ or ω
     assert summary["val_ppl"] == pytest.approx(math.exp(val[24]))
     mixing = json.loads((run / "mixing.json").read_text())
     assert len(mixing["matrix"]) == 5
@@ -149,11 +152,38 @@ def test_load_model_rejects_corrupt_or_mismatched_checkpoints(preln_run, tmp_pat
 
 
 def test_other_variant_trains_and_writes_the_contract(tmp_path):
-    name = "ldm-rls" if "ldm-rls" in variants.names() else "preln"
-    run = train(tiny(3, name, val_every_steps=3, ckpt_every_steps=3), tmp_path / "run")
+    run = train(tiny(3, "ldm-rls(groups=4)", val_every_steps=2, ckpt_every_steps=3), tmp_path / "run")
     assert rundir.read_status(run)["state"] == "done"
     assert all(math.isfinite(float(r["train_loss"])) for r in rows(run / "metrics.csv")[1:])
-    assert json.loads((run / "summary.json").read_text())["step"] == 3
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == 3
+    # What LDM-RLS learned, at every validation and in the summary from the last one.
+    records = [json.loads(line) for line in (run / "depth_stats.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 2, 3]
+    assert summary["depth_memory"] == {k: v for k, v in records[-1].items() if k != "step"}
+    assert records[0]["lambda"] != records[-1]["lambda"]  # λ is learned, so it moved
+
+    # Independently: λ from the trained θ in float64, ω by hand from the key MLPs on the residual stream.
+    model, tok, cfg = load_model(run)
+    mixer, L, G = model.mixer, model.n_layers, 4
+    lam = 0.5 + 0.5 * torch.sigmoid(mixer.theta.detach().double())  # (L, G)
+    assert torch.tensor(summary["depth_memory"]["lambda"], dtype=torch.float64).shape == (L, G)
+    torch.testing.assert_close(torch.tensor(summary["depth_memory"]["lambda"], dtype=torch.float64), lam,
+                               rtol=1e-12, atol=0)
+    windows = torch.from_numpy(D.val_windows(D.load_tokens(cfg, tok).val, count=2 * 8, seq_len=32))[:4, :-1]
+    model = model.double()
+    _, trace = traced_forward(model, windows)  # the layer outputs v_l, so x_{l-1} = e + Σ_{i<l} v_i
+    x = model.embed(windows).detach()
+    for layer, key in enumerate(mixer.keys):
+        xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * key.norm.weight
+        z = F.linear(F.silu(F.linear(xn, key.fc1.weight, key.fc1.bias)), key.fc2.weight, key.fc2.bias)
+        omega = 2 * torch.sigmoid(z[..., -G:]).detach()  # (b, t, g): the key MLP's outputs after the G keys
+        got = summary["depth_memory"]["omega"][layer]
+        want = {"mean": omega.mean(), "std": omega.std(unbiased=False), "min": omega.min(), "max": omega.max()}
+        for name, value in want.items():
+            assert got[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), (layer, name)
+        x = x + trace.outputs[layer]
+    assert len(summary["depth_memory"]["omega"]) == L
 
 
 def test_same_config_and_seed_give_the_same_curve(tmp_path):
@@ -200,3 +230,19 @@ def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
     assert cli_main(["train", "--variant", "no-such-mixer", "--out", str(tmp_path / "r")]) == 2
     assert cli_main(["train", "--preset", "tiny", "--out", str(tmp_path / "r"), "--set", "data.corpus=nowhere"]) == 2
     assert "neither an embedded corpus" in capsys.readouterr().err
+
+
+def test_budget_is_the_same_for_every_variant_of_a_size():
+    from harness.costs import preln_params
+    from harness.factory import build_model
+    from harness.training import total_steps
+
+    assert total_steps(tiny(7)) == 7
+    assert total_steps(tiny(0, tokens=1000)) == math.ceil(1000 / (8 * 32))
+    for name in ("preln", "ldm-rls", "hc"):
+        cfg = tiny(0, name, tokens_per_param=0.5)
+        # Counted against PreLN at this size, not against the variant's own (larger) parameter count.
+        assert build_model(cfg.model, name).num_params() >= preln_params(cfg.model)
+        assert total_steps(cfg) == math.ceil(0.5 * build_model(cfg.model, "preln").num_params() / (8 * 32))
+    with pytest.raises(UsageError, match="both fix the budget"):
+        tiny(3, tokens=1000)

@@ -235,3 +235,29 @@ def test_canonical_names_write_out_a_default_that_follows_another_knob():
         assert registry.canonical(spec) == "toy(mode=off,follow=c)"
     assert registry.canonical("toy(mode=off,follow=b)") == "toy(mode=off,follow=b)"
     assert registry.describe()[0]["knobs"][1]["default"] == "b"
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "gpt2-small"])
+@pytest.mark.parametrize("target", ["ldm-rls", "ldm-rls(groups=64,omega=off)", "mhc", "attnres", "denseformer"])
+def test_parameter_matched_preln_is_within_half_a_percent(preset, target):
+    size = model_preset(preset)
+    with torch.device("meta"):  # counts only: the largest preset allocates nothing
+        wanted = build_model(size, target).num_params()
+        matched = build_model(size, f"preln(match={target})")
+        plain = build_model(size, "preln")
+    # The widened MLPs are all that changed: a PreLN with the same width built by hand has the same count.
+    assert matched.num_params() == plain.num_params() + 3 * size.d_model * size.n_blocks * (
+        matched.cfg.ffn_hidden - size.ffn_hidden)
+    assert all(layer.fn.up_proj.out_features == matched.cfg.ffn_hidden for layer in matched.layers[1::2])
+    assert abs(matched.num_params() - wanted) <= 0.005 * wanted
+    assert matched.cfg.ffn_hidden >= size.ffn_hidden  # every target adds parameters (denseformer a handful)
+    assert variants.canonical(f"preln(match={target})") == f"preln(match={variants.canonical(target)})"
+
+
+def test_parameter_matched_preln_refuses_what_it_cannot_match():
+    for spec, message in (("preln(match=ldm-rsl)", "knob 'match'"),
+                          ("preln(match=preln(match=ldm))", "does not match another"),
+                          ("preln(match=ldm-rls(groups=7))", "must divide d_model")):
+        with pytest.raises(UsageError, match=message) as info:
+            variants.validate(spec, d_model=64, n_layers=4)
+        assert "\n" not in str(info.value)

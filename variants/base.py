@@ -91,6 +91,16 @@ class DepthMixer(nn.Module, abc.ABC):
         """Parameters added over PreLN: everything the mixer owns, unless it says otherwise."""
         return sum(p.numel() for p in self.parameters())
 
+    def learned_statistics(self, trace) -> dict:
+        """What the mixer learned, as plain JSON numbers, from a ``harness.model.Trace`` of one forward pass (e.g.
+        forgetting factors and importance weights per layer); empty for a mixer that has nothing of the kind."""
+        return {}
+
+    def params_to_match(self) -> str | None:
+        """A variant whose decoder's parameter count this one's should match by widening its MLPs (the model
+        factory does so), or None to keep the configured width."""
+        return None
+
     # -- helpers -------------------------------------------------------------------------------------------
     def record(self, key: str, layer: int, value: torch.Tensor) -> None:
         """Keep ``value`` for ``mixing_matrix`` when the decoder is recording a trace."""

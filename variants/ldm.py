@@ -3,13 +3,13 @@ ablation knobs of spec §5. Two streams: the residual ``x`` and a matrix memory 
 ``M^g ∈ R^{(d/G) × d_k}`` over the ``g``-th slice of the channels (LDM-RLS adds ``P^g ∈ R^{d_k × d_k}``).
 Layer ``l`` reads ``a_l = x_{l-1} + concat_g(M^g_{l-1} q_l^g)`` and writes ``x_l = x_{l-1} + v_l`` and either
 ``M^g_l = M^g_{l-1} + v_l^g (k_l^g)ᵀ`` (``write=outer``) or one exact RLS step (``write=rls``, in
-``variants/ldm_rls.py``). Queries and keys are unit vectors per group from small per-layer MLPs on ``x_{l-1}``, or
+``variants/rls.py``, its math in ``variants/rls.py``). Queries and keys are unit vectors per group from small per-layer MLPs on ``x_{l-1}``, or
 with ``qk_source=read`` on the latest read (``variants/ldm_knobs.py``); the head reads like a layer with its own
 query MLP.
 
 Two implementations compute the same function (``mixer.impl``). ``dual``, the default, never forms ``M``: it keeps
 the writes ``(k_i, v_i)`` and reads ``M q = Σ_i v_i (k_iᵀ q)``, linear attention over depth (for RLS the writes are
-whitened first, ``variants/ldm_rls.py``), so backward keeps no per-layer memory and a read costs O(writes · d) per
+whitened first, ``variants/rls.py``), so backward keeps no per-layer memory and a read costs O(writes · d) per
 token. The dual form also computes a layer's query and key MLPs in one pass (they read the same ``x``:
 ``shared_input_mlps``) and lets the reads add each write's gradient in place (``WriteGradient``). ``recurrent``
 materializes ``M`` (and ``P``) at every layer exactly as the spec writes it, with each MLP on its own; it is the
@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.model import RMSNorm
 from harness.registry import format_value, knob
-from variants import ldm_costs, ldm_knobs, ldm_rls
+from variants import ldm_costs, ldm_knobs, rls
 from variants.base import DepthMixer, register
+from variants.layers import RMSNorm
 from variants.ops import dot, rms_scale, unit
 
 READS = ("residual+memory", "memory", "residual")
@@ -55,7 +55,7 @@ class LDMState(NamedTuple):
 
 class DualState(NamedTuple):
     """The dual form's streams: residual ``x`` (b, t, d) and the writes so far, keys (b, t, g, k) and values
-    (b, t, g, v), whitened for RLS (``variants/ldm_rls.py``); ``M`` and ``P`` rebuild the recurrent form's memory
+    (b, t, g, v), whitened for RLS (``variants/rls.py``); ``M`` and ``P`` rebuild the recurrent form's memory
     from them, for inspection and tests."""
 
     x: torch.Tensor
@@ -67,10 +67,16 @@ class DualState(NamedTuple):
     # with qk_source=read also the latest read, under "read".
     pending: dict | None = None
     grads: tuple[WriteGradient | None, ...] = ()  # per write, where the reads add its gradient (DepthRead)
+    # RLS: every write as it came, (k, v, λ, ω), for the float64 recursion to start from if whitening loses its
+    # digits (rls.whiten's margin); then ``exact`` holds that recursion's (M, P) and the reads use it.
+    raw: tuple = ()
+    exact: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def M(self) -> torch.Tensor | None:
         """``Σ_i ṽ_i k̃_iᵀ`` (b, t, g, v, k), or None before the first write."""
+        if self.exact is not None:
+            return self.exact[0].to(self.keys[0].dtype)
         if not self.keys:
             return None
         return sum(v.unsqueeze(-1) * k.unsqueeze(-2) for k, v in zip(self.keys, self.values))
@@ -80,6 +86,8 @@ class DualState(NamedTuple):
         """RLS: ``(α / Π λ)(I − Σ_i k̃_i k̃_iᵀ)`` (b, t, g, k, k) by Woodbury; None before the first write."""
         if self.alpha is None or not self.keys:
             return None
+        if self.exact is not None:
+            return self.exact[1].to(self.keys[0].dtype)
         eye = torch.eye(self.keys[0].shape[-1], dtype=self.keys[0].dtype, device=self.keys[0].device)
         # Each outer product is exactly symmetric, so their sum is too.
         gram = sum(k.unsqueeze(-1) * k.unsqueeze(-2) for k in self.keys)
@@ -297,13 +305,13 @@ class LDM(DepthMixer):
         if self.rls and cfg.lambda_ == "learned":
             # One λ per write and group; the embedding write (read=memory) gets its own like any layer,
             # a detail the spec leaves open.
-            self.theta = nn.Parameter(torch.full((n_writes, G), ldm_rls.theta_for_lambda()))
+            self.theta = nn.Parameter(torch.full((n_writes, G), rls.theta_for_lambda()))
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _lambda(self, n: int, like: torch.Tensor) -> torch.Tensor:
         """λ of write ``n`` per group, (g,)."""
         if self.cfg.lambda_ == "learned":
-            return ldm_rls.forgetting_factor(self.theta[n].to(like.dtype))
+            return rls.forgetting_factor(self.theta[n].to(like.dtype))
         return torch.full((self.G,), float(self.cfg.lambda_), dtype=like.dtype, device=like.device)
 
     def _unit(self, z: torch.Tensor) -> torch.Tensor:
@@ -321,7 +329,7 @@ class LDM(DepthMixer):
         self.record("k", layer, k)
         if not self.rls:
             return k, None, None
-        omega = ldm_rls.importance_weight(z[..., G * dk:]) if self.omega_on else torch.ones_like(k[..., 0])
+        omega = rls.importance_weight(z[..., G * dk:]) if self.omega_on else torch.ones_like(k[..., 0])
         lam = self._lambda(n, k)
         self.record("omega", layer, omega)
         self.record("lambda", layer, lam)
@@ -337,7 +345,8 @@ class LDM(DepthMixer):
 
     def _write_memory(self, state, n: int, layer: int, value: torch.Tensor):
         """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``_qk_input``: the new memory part
-        of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay, grads)`` in the dual form."""
+        of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay, grads, raw, exact)`` in the dual
+        form."""
         dt = torch.promote_types(value.dtype, torch.float32)
         with torch.autocast(device_type=value.device.type, enabled=False):
             pending = None if self.impl == "recurrent" else state.pending.pop(layer, None)
@@ -347,17 +356,24 @@ class LDM(DepthMixer):
                 if not self.rls:
                     step = v.unsqueeze(-1) * k.unsqueeze(-2)  # v kᵀ, (b, t, g, v, k)
                     return (step if state.M is None else state.M + step), None
-                return ldm_rls.rls_write(state.M, state.P, k, v, lam, omega)
-            decay = None
+                return rls.rls_write(state.M, state.P, k, v, lam, omega)
+            decay, raw, exact = None, (), None
             if self.rls:
                 decay = lam if state.decay is None else state.decay * lam  # Π_{j≤n} λ_j
-                k, v = ldm_rls.whiten(k, v, ldm_rls.ridge_diagonal(decay, omega, self.cfg.alpha),
-                                      state.keys, state.values)
+                raw = state.raw + ((k, v, lam, omega),)
+                if state.exact is not None:  # already handed over: one more step of the recursion
+                    exact = rls.rls_write(*state.exact, k.double(), v.double(), lam.double(), omega.double())
+                    return state.keys, state.values, decay, state.grads, raw, exact
+                k, v, margin = rls.whiten(k, v, rls.ridge_diagonal(decay, omega, self.cfg.alpha),
+                                          state.keys, state.values, state.grads)
+                if margin < rls.min_margin(k.dtype):
+                    # This write's δ² cancelled below the precision: the exact recursion from here on.
+                    return state.keys, state.values, decay, state.grads, raw, rls.replay(raw, self.cfg.alpha)
             grad = None
             if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
                 grad = WriteGradient()
                 k, v = Collected.apply(k, v, grad)
-            return state.keys + (k,), state.values + (v,), decay, state.grads + (grad,)
+            return state.keys + (k,), state.values + (v,), decay, state.grads + (grad,), raw, exact
 
     def _read(self, state, reader: int) -> torch.Tensor:
         """Reader ``reader``'s input, kept as the latest read when queries and keys come from the reads."""
@@ -369,7 +385,8 @@ class LDM(DepthMixer):
     def _read_streams(self, state, reader: int) -> torch.Tensor:
         """Reader ``reader``'s input: ``x``, ``x + concat_g(M^g q^g)`` or the memory read alone."""
         x = state.x
-        empty = state.M is None if self.impl == "recurrent" else not state.keys  # M_{-1} = 0: nothing to read
+        # M_{-1} = 0: nothing to read
+        empty = state.M is None if self.impl == "recurrent" else not state.keys and state.exact is None
         if not self.uses_memory or empty:
             return x
         src = self._qk_input(state)
@@ -387,9 +404,12 @@ class LDM(DepthMixer):
             self.record("q", reader, q)
             if self.impl == "recurrent":
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
+            elif state.exact is not None:
+                m = torch.einsum("btgvk,btgk->btgv", state.exact[0], q.double()).to(dt)
             else:
                 m = DepthRead.apply(q, state.grads, *state.keys, *state.values)
             m = m.flatten(-2)  # (b, t, g, v) -> (b, t, d)
+            self.record("read", reader, m)
         m = m.to(x.dtype)
         return m if self.cfg.read == "memory" else x + m
 
@@ -399,8 +419,8 @@ class LDM(DepthMixer):
             P = None
             if self.uses_memory and self.rls:
                 dt = torch.promote_types(e.dtype, torch.float32)
-                P = ldm_rls.initial_inverse_covariance(self.cfg.alpha, (*e.shape[:2], self.G), self.dk,
-                                                       dtype=dt, device=e.device)
+                P = rls.initial_inverse_covariance(self.cfg.alpha, (*e.shape[:2], self.G), self.dk,
+                                                   dtype=dt, device=e.device)
             state = LDMState(e, None, P, {})
         else:
             state = DualState(e, alpha=self.cfg.alpha if self.rls else None, pending={})
@@ -413,8 +433,8 @@ class LDM(DepthMixer):
         """The state with residual ``x`` and the memory part returned by ``_write_memory``."""
         if self.impl == "recurrent":
             return LDMState(x, *memory, state.pending)
-        keys, values, decay, grads = memory
-        return state._replace(x=x, keys=keys, values=values, decay=decay, grads=grads)
+        keys, values, decay, grads, raw, exact = memory
+        return state._replace(x=x, keys=keys, values=values, decay=decay, grads=grads, raw=raw, exact=exact)
 
     def read(self, state, layer):
         return self._read(state, layer)
@@ -453,7 +473,7 @@ class LDM(DepthMixer):
             if self.rls:
                 decay = torch.cumprod(torch.stack([rec[("lambda", w)] for w in held], -1), -1)  # (g, n)
                 omega = torch.stack([rec[("omega", w)] for w in held], -1)  # (b, t, g, n)
-                weight = ldm_rls.read_weights(keys, ldm_rls.ridge_diagonal(decay, omega, self.cfg.alpha), q)
+                weight = rls.read_weights(keys, rls.ridge_diagonal(decay, omega, self.cfg.alpha), q)
             else:
                 weight = (keys @ q.unsqueeze(-1)).squeeze(-1)  # k_iᵀ q, (b, t, g, n)
             c[:, :, reader, held[0] + 1: held[-1] + 2] += weight.transpose(-1, -2).to(c.dtype)
@@ -469,6 +489,20 @@ class LDM(DepthMixer):
         """Analytic forward FLOPs per token over PreLN for the implementation that runs (``variants/ldm_costs.py``)."""
         return sum(ldm_costs.flops_per_token(self))
 
+    @torch.no_grad()
+    def learned_statistics(self, trace):
+        """LDM-RLS: the forgetting factor λ of every layer's write per group (from the parameters, or the fixed
+        value), and the importance weights ω of every layer's write over the traced tokens and groups: mean,
+        standard deviation (over all of them, not a sample estimate), min and max. The embedding's own write
+        (``read=memory``) is left out, so there is one entry per layer. Nothing for the outer-product write."""
+        if not (self.rls and self.uses_memory):
+            return {}
+        like = trace.embed.new_zeros((), dtype=torch.float64)
+        lam = [self._lambda(layer + self.embed_write, like).tolist() for layer in range(self.n_layers)]
+        omega = []
+        for layer in range(self.n_layers):
+            w = trace.mixer[("omega", layer)].double()  # (b, t, g)
+            omega.append({"mean": float(w.mean()), "std": float(w.std(unbiased=False)),
+                          "min": float(w.min()), "max": float(w.max())})
+        return {"lambda": lam, "omega": omega}
 
-register("ldm-rls", defaults={"write": "rls"},
-         description="LDM with the exact recursive-least-squares memory: forgetting λ, importance ω, ridge α")(LDM)

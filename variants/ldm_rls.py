@@ -1,131 +1,28 @@
-"""The exact depth-regression memory of LDM-RLS (spec §4): recursive least squares over depth, one step per write.
-
-Per group the memory ``M`` (dv × dk) is the minimizer of ``Σ_i β_{n,i} ω_i ||v_i − M k_i||² + α⁻¹ β_{n,-1} ||M||²``
-after write ``n``, with forgetting ``β_{n,i} = Π_{j=i+1..n} λ_j``. ``rls_write`` keeps it exactly with the inverse
-key covariance ``P`` (dk × dk). The same memory has a dual form (kernel ridge regression over depth):
-``M q = Σ_i r_i v_i`` with ``r = (K Kᵀ + D)⁻¹ K q``, ``D = diag(d_i)``, ``d_i = Π_{j≤i} λ_j / (α ω_i)``; since
-``D`` does not depend on the reader, the Cholesky factor ``K Kᵀ + D = L Lᵀ`` only grows by one row per write, and
-with ``k̃ = L⁻¹K``, ``ṽ = L⁻¹V`` the memory is ``M = Σ_i ṽ_i k̃_iᵀ``: a plain outer-product memory of whitened
-writes, which ``whiten`` computes one Gram–Schmidt step at a time. ``closed_form_memory`` and ``read_weights`` solve
-the objective directly, as the references both forms are tested against. The registered variant is ``ldm-rls`` in
-``variants/ldm.py``, which calls these.
-
-Axes: ``...`` any leading batch axes (b t for the model), g groups, v value width d/G, k key width d_k,
-n writes in depth order.
+"""LDM-RLS (spec §4): the linear depth memory of ``variants/ldm.py`` with the exact recursive-least-squares write,
+forgetting λ, importance ω and ridge α. The model is ``LDM`` with ``write=rls``; its memory math (the recursion, the
+dual form's whitening and the closed forms it is tested against) lives in ``variants/rls.py`` and is importable
+from here too.
 """
 
 from __future__ import annotations
 
-import math
+from variants.base import register
+from variants.ldm import LDM
+from variants.rls import (  # noqa: F401  (the memory math, importable from the variant's module)
+    LAMBDA_INIT,
+    LAMBDA_MIN,
+    closed_form_memory,
+    forgetting_factor,
+    importance_weight,
+    initial_inverse_covariance,
+    min_margin,
+    read_weights,
+    replay,
+    ridge_diagonal,
+    rls_write,
+    theta_for_lambda,
+    whiten,
+)
 
-import torch
-
-from variants.ops import dot
-
-LAMBDA_MIN = 0.5
-"""Lower end of a learned forgetting factor: ``λ = λ_min + (1 − λ_min)·sigmoid(θ)``."""
-LAMBDA_INIT = 0.99
-"""A learned λ starts here: forget slowly, as the method text suggests."""
-
-
-def theta_for_lambda(lam: float = LAMBDA_INIT) -> float:
-    """The θ at which a learned forgetting factor equals ``lam``."""
-    p = (lam - LAMBDA_MIN) / (1.0 - LAMBDA_MIN)
-    return math.log(p / (1.0 - p))
-
-
-def forgetting_factor(theta: torch.Tensor) -> torch.Tensor:
-    """λ in [λ_min, 1] from the unconstrained parameter θ."""
-    return LAMBDA_MIN + (1.0 - LAMBDA_MIN) * torch.sigmoid(theta)
-
-
-def importance_weight(z: torch.Tensor) -> torch.Tensor:
-    """ω = 2·sigmoid(z), so ω = 1 at z = 0 and ω ∈ (0, 2)."""
-    return 2.0 * torch.sigmoid(z)
-
-
-def initial_inverse_covariance(alpha: float, batch: tuple[int, ...], key_dim: int, *, dtype, device) -> torch.Tensor:
-    """``P_{-1} = α I`` for every leading index, shape (*batch, k, k), as a broadcast view (no copy)."""
-    eye = alpha * torch.eye(key_dim, dtype=dtype, device=device)
-    return eye.expand(*batch, key_dim, key_dim)
-
-
-def rls_write(M: torch.Tensor | None, P: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              lam: torch.Tensor, omega: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One exact RLS step for every leading index and group at once: the new ``(M, P)``.
-
-    Shapes: ``M`` (..., g, v, k) or None for the zero memory, ``P`` (..., g, k, k), ``k`` (..., g, k),
-    ``v`` (..., g, v), ``lam`` and ``omega`` broadcastable to (..., g).
-    """
-    root = omega.sqrt().unsqueeze(-1)  # (..., g, 1)
-    kb, vb = root * k, root * v  # k̄ = √ω k, v̄ = √ω v
-    Pk = torch.einsum("...ij,...j->...i", P, kb)  # P k̄, (..., g, k)
-    s = lam + (kb * Pk).sum(-1)  # λ + k̄ᵀ P k̄, (..., g)
-    gain = Pk / s.unsqueeze(-1)  # κ
-    # u: what the memory failed to predict.
-    u = vb if M is None else vb - torch.einsum("...vk,...k->...v", M, kb)
-    step = u.unsqueeze(-1) * gain.unsqueeze(-2)  # u κᵀ, (..., g, v, k)
-    M = step if M is None else M + step
-    # κ k̄ᵀ P equals (P k̄)(P k̄)ᵀ / s for symmetric P; written this way every entry is the same product
-    # Pk_i·Pk_j for (i, j) and (j, i), so P stays exactly symmetric by construction and needs no symmetrizing.
-    P = (P - Pk.unsqueeze(-1) * Pk.unsqueeze(-2) / s[..., None, None]) / lam[..., None, None]
-    return M, P
-
-
-def closed_form_memory(keys: torch.Tensor, values: torch.Tensor, lambdas: torch.Tensor, omegas: torch.Tensor,
-                       alpha: float) -> torch.Tensor:
-    """The weighted, forgetting ridge solution after every write, by direct solve: (n, ..., v, k).
-
-    ``M_n = (Σ_{i≤n} β_{n,i} ω_i v_i k_iᵀ)(Σ_{i≤n} β_{n,i} ω_i k_i k_iᵀ + α⁻¹ β_{n,-1} I)⁻¹``. Shapes: ``keys``
-    (n, ..., k), ``values`` (n, ..., v), ``lambdas`` and ``omegas`` broadcastable to (n, ...). A reference for
-    tests, written for clarity: it loops over writes.
-    """
-    n_writes, key_dim = keys.shape[0], keys.shape[-1]
-    lambdas = torch.broadcast_to(lambdas, keys.shape[:-1])
-    omegas = torch.broadcast_to(omegas, keys.shape[:-1])
-    eye = torch.eye(key_dim, dtype=keys.dtype, device=keys.device)
-    out = []
-    for n in range(n_writes):
-        # beta[i] = Π_{j=i+1..n} λ_j for i = -1..n, so beta[0] is the ridge term's β_{n,-1}.
-        later = torch.cat([lambdas[: n + 1], torch.ones_like(lambdas[:1])])  # λ_0..λ_n, 1
-        beta = torch.flip(torch.cumprod(torch.flip(later, [0]), 0), [0])  # (n+2, ...)
-        w = (beta[1:] * omegas[: n + 1]).unsqueeze(-1)  # β_{n,i} ω_i, (n+1, ..., 1)
-        cross = torch.einsum("i...v,i...k->...vk", w * values[: n + 1], keys[: n + 1])
-        cov = torch.einsum("i...a,i...b->...ab", w * keys[: n + 1], keys[: n + 1])
-        cov = cov + (beta[0] / alpha)[..., None, None] * eye
-        # M C = S with C symmetric: solve Cᵀ Mᵀ = Sᵀ.
-        out.append(torch.linalg.solve(cov, cross.transpose(-1, -2)).transpose(-1, -2))
-    return torch.stack(out)
-
-
-def ridge_diagonal(decay: torch.Tensor, omega: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``d_i = Π_{j≤i} λ_j / (α ω_i)``: write ``i``'s entry of the dual form's diagonal, from ``decay = Π_{j≤i} λ_j``."""
-    return decay / (alpha * omega)
-
-
-def whiten(k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, keys: tuple[torch.Tensor, ...],
-           values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whitened write ``(k̃_n, ṽ_n)``: ``(k, v)`` with the earlier whitened writes projected out, over ``δ``.
-
-    Shapes: ``k`` (..., g, k), ``v`` (..., g, v), ``ridge`` (..., g) the ``d_n`` of this write, ``keys`` and
-    ``values`` the earlier ``k̃_j`` (..., g, k) and ``ṽ_j`` (..., g, v). The coefficients ``l_j = k̃_jᵀ k`` are the new
-    row of ``L`` and ``δ² = |k|² + d_n − |l|²`` its diagonal entry.
-    """
-    coeffs = [dot(kj, k) for kj in keys]  # l_j, (..., g, 1) each
-    k_rest, v_rest, sq = k, v, dot(k, k) + ridge.unsqueeze(-1)
-    for c, kj, vj in zip(coeffs, keys, values):
-        k_rest = k_rest - c * kj
-        v_rest = v_rest - c * vj
-        sq = sq - c * c
-    # δ² is the Schur complement of K Kᵀ + D, never below d_n in exact arithmetic (K Kᵀ's part is at most |k|²);
-    # the floor keeps rounding in float32 from taking it to zero or below.
-    delta = torch.maximum(sq, ridge.unsqueeze(-1)).sqrt()
-    return k_rest / delta, v_rest / delta
-
-
-def read_weights(keys: torch.Tensor, ridge: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """``r = (K Kᵀ + diag(d))⁻¹ K q``, the weights with which a read ``M q = Σ_i r_i v_i`` holds each write, by a
-    direct solve: ``keys`` (..., n, k), ``ridge`` (..., n), ``query`` (..., k) -> (..., n). A reference for tests
-    and the mixing matrix."""
-    gram = keys @ keys.mT + torch.diag_embed(ridge)  # (..., n, n)
-    return torch.linalg.solve(gram, (keys @ query.unsqueeze(-1)).squeeze(-1))
+register("ldm-rls", defaults={"write": "rls"},
+         description="LDM with the exact recursive-least-squares memory: forgetting λ, importance ω, ridge α")(LDM)

@@ -1,0 +1,145 @@
+"""LDM-RLS in float32 (the default dual form) against a float64 evaluation of the recursion (the recurrent
+reference), under strong forgetting: every memory read and the logits within 1e-4 relative, over a sampled stress
+grid that covers every value of each axis (fixed λ 0.5–1 and learned λ pushed to its bounds; 8, 24 and 48 layers;
+key widths 4–64; 1–64 groups; ω near both of its bounds; α 0.1 and 1); and under bf16 autocast, with the state in
+float32, within twice PreLN's own bf16 error on the same input.
+
+Without the margin guard of ``rls.whiten`` five of these cases fail, the worst with an overflow (inf) in the reads
+(docs/ldm-performance.md)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from harness import build_model, model_preset
+from harness.model import Trace
+from variants import rls
+
+B, T, VOCAB = 2, 8, 512
+TOL = 1e-4
+
+# (layers, groups, key_dim, λ, α): every value of every axis appears at least once; "bounds" is a learned λ with
+# θ at ±10, so each write and group sits at λ ≈ 0.5 or λ ≈ 1.
+STRESS = [
+    (24, 4, 4, 0.5, 1.0),
+    (48, 16, 4, 0.5, 0.1),
+    (48, 1, 16, 0.7, 1.0),
+    (48, 64, 12, 0.7, 0.1),
+    (24, 64, 16, 0.5, 1.0),
+    (8, 16, 64, 0.5, 1.0),
+    (48, 4, 48, 0.9, 1.0),
+    (24, 16, 12, 0.99, 0.1),
+    (8, 1, 48, 1.0, 0.1),
+    (48, 4, 64, 1.0, 1.0),
+    (48, 16, 16, "bounds", 1.0),
+    (24, 1, 4, "bounds", 0.1),
+    (8, 64, 4, 0.7, 1.0),
+    (8, 64, 64, "bounds", 0.1),
+]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+def _models(layers: int, groups: int, key_dim: int, lam, alpha: float):
+    """The float64 recurrent reference and its float32 dual-form copy, with ω pushed to near 0 or near 2 per
+    group and write (and varying across tokens), and a learned λ to its bounds."""
+    knob = "learned" if lam == "bounds" else lam
+    spec = f"ldm-rls(groups={groups},key_dim={key_dim},lambda={knob},alpha={alpha})"
+    ref = build_model(model_preset("tiny", n_blocks=layers // 2), spec).to(torch.float64)
+    mixer = ref.mixer
+    with torch.no_grad():
+        for mlp in mixer.keys:
+            w, b = mlp.fc2.weight[groups * key_dim:], mlp.fc2.bias[groups * key_dim:]
+            w.normal_(0.0, 0.5)
+            b.copy_(8.0 * torch.randint(0, 2, b.shape, dtype=b.dtype).mul_(2).sub_(1))  # ω ≈ 7e-4 or ≈ 2
+        if lam == "bounds":
+            mixer.theta.copy_(10.0 * torch.randint(0, 2, mixer.theta.shape, dtype=mixer.theta.dtype).mul_(2).sub_(1))
+    fast = copy.deepcopy(ref).to(torch.float32)
+    ref.mixer.impl = "recurrent"
+    assert fast.mixer.impl == "dual"
+    return ref, fast
+
+
+def _run(model, idx, bf16: bool = False):
+    trace = Trace()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(idx, trace=trace)
+    reads = {layer: m for (key, layer), m in trace.mixer.items() if key == "read"}
+    return logits, reads, trace
+
+
+@pytest.mark.parametrize("layers, groups, key_dim, lam, alpha", STRESS)
+def test_float32_reads_and_logits_match_the_float64_recursion(layers, groups, key_dim, lam, alpha, rng_seed):
+    ref, fast = _models(layers, groups, key_dim, lam, alpha)
+    idx = torch.randint(0, VOCAB, (B, T))
+    want_logits, want_reads, trace = _run(ref, idx)
+    got_logits, got_reads, _ = _run(fast, idx)
+    omega = torch.stack([v for (key, _), v in trace.mixer.items() if key == "omega"])
+    assert (omega < 1e-2).any() and (omega > 1.99).any()  # both ends of ω are exercised
+    if lam == "bounds":
+        lams = torch.stack([v for (key, _), v in trace.mixer.items() if key == "lambda"])
+        assert lams.min() < 0.5001 and lams.max() > 0.9999
+    assert sorted(got_reads) == sorted(want_reads) == list(range(1, layers + 1))
+    errors = {layer: _rel(got_reads[layer], want_reads[layer]) for layer in want_reads}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"memory read of reader {worst}: {errors[worst]:.1e}"
+    assert _rel(got_logits, want_logits) <= TOL
+
+
+@pytest.mark.parametrize("layers, groups, key_dim, lam, alpha", [
+    (24, 4, 4, 0.5, 1.0), (48, 16, 16, "bounds", 1.0), (48, 64, 12, 0.7, 0.1), (8, 16, 64, 0.5, 1.0),
+])
+def test_bf16_error_within_twice_prelns_own(layers, groups, key_dim, lam, alpha, rng_seed):
+    ref, fast = _models(layers, groups, key_dim, lam, alpha)
+    preln = build_model(model_preset("tiny", n_blocks=layers // 2), "preln").to(torch.float64)
+    preln.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("mixer.")})
+    idx = torch.randint(0, VOCAB, (B, T))
+    preln_error = _rel(_run(copy.deepcopy(preln).float(), idx, bf16=True)[0], _run(preln, idx)[0])
+    want_logits, _, _ = _run(ref, idx)
+    got_logits, got_reads, _ = _run(fast, idx, bf16=True)
+    assert all(m.dtype == torch.float32 for m in got_reads.values())  # the state stays float32
+    assert 0 < _rel(got_logits, want_logits) <= 2 * preln_error
+
+
+@pytest.mark.parametrize("spec", ["ldm-rls(groups=4,lambda=0.6)", "ldm-rls(read=memory,groups=2,alpha=0.3)"])
+def test_hand_over_to_the_recursion_keeps_values_and_gradients(spec, monkeypatch, rng_seed):
+    """The float64 recursion the dual form hands over to when its margin runs out, forced at every write from the
+    second on: values and gradients still equal the recurrent reference (float64)."""
+    dual = build_model(model_preset("tiny", n_blocks=3), spec).to(torch.float64)
+    with torch.no_grad():
+        for mlp in dual.mixer.keys:
+            mlp.fc2.bias[dual.mixer.G * dual.mixer.dk:].normal_()
+    recurrent = copy.deepcopy(dual)
+    recurrent.mixer.impl = "recurrent"
+    calls = []
+    monkeypatch.setattr(rls, "min_margin", lambda dtype: calls.append(dtype) or 2.0)  # every margin is below 2
+    idx, targets = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
+    losses = []
+    for model in (dual, recurrent):
+        logits = model(idx)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        losses.append(logits.detach())
+    assert calls  # the guard ran and handed over
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-10, atol=1e-12)
+    grads = dict(recurrent.named_parameters())
+    for name, p in dual.named_parameters():
+        assert grads[name].grad is not None and grads[name].grad.abs().sum() > 0, name
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-8, atol=1e-12, msg=name)
+
+
+def test_default_model_stays_on_the_dual_form(rng_seed):
+    """At the defaults (learned λ from 0.99, G = 16) the margin stays far above the guard: no hand-over, so the
+    fast path's speed is untouched."""
+    model = build_model(model_preset("tiny", n_blocks=12), "ldm-rls")
+    e = torch.randn(B, T, 64)
+    with torch.no_grad():
+        state = model.mixer.init_state(e)
+        for layer in range(model.n_layers):
+            state = model.mixer.write(state, layer, torch.randn_like(e))
+    assert state.exact is None and len(state.keys) == model.n_layers
