@@ -27,7 +27,7 @@ _LAZY = {
     "get_tokenizer": "harness.tokenizer",
     "prepare": "harness.data",
     "evaluate": "harness.evaluation",
-    "sweep": "harness.dispatch",
+    "sweep": "harness.submit",
     "expand_grid": "harness.grid",
     "aggregate": "harness.results",
     "report": "harness.reporting",

@@ -25,9 +25,21 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("depthmem")
+    except metadata.PackageNotFoundError:
+        from harness import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="depthmem", description="Benchmark and ablate depth mixing in transformers.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
+    parser.add_argument("--version", action="version", version=f"depthmem {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         try:
@@ -37,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         p = module.add_parser(sub)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _parser=p)
     return parser
 
 
@@ -50,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         from harness.commands import lm_eval
         args._run = lm_eval.run
     else:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # say it with the usage of the subcommand that got them, not the top-level one
+            getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -148,6 +148,8 @@ class TrainConfig:
     """A gradient norm above this (or a non-finite loss) stops the run as diverged."""
     logger: str = "csv"
     """``csv``, ``tensorboard`` or ``wandb`` (CSV is always written)."""
+    wandb_project: str = ""
+    """W&B project; empty means the sweep's name (``name``), else ``depthmem``."""
 
     def __post_init__(self):
         for name in ("batch_size", "log_every_steps", "val_every_steps", "ckpt_every_steps", "devices", "num_nodes"):

@@ -334,9 +334,28 @@ def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
+def _bpe_size(tokenizer: str) -> int | None:
+    """N of ``bpe:N`` (a BPE to train on the inputs), else None."""
+    if not tokenizer.startswith("bpe:"):
+        return None
+    try:
+        size = int(tokenizer[4:])
+    except ValueError:
+        size = 0
+    if size < 258:
+        raise UsageError(f"--tokenizer bpe:N needs N as an integer of at least 258 (256 bytes and the end-of-text "
+                         f"token), got {tokenizer!r}.")
+    return size
+
+
 def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2", text_field: str = "text",
-            split: str = "train", shard_tokens: int = 50_000_000, progress: bool = True) -> Path:
-    """Tokenize documents into a shard folder (flat token files and ``index.json``); returns the folder."""
+            split: str = "train", shard_tokens: int = 50_000_000, progress: bool = True,
+            preset: str | None = None) -> Path:
+    """Tokenize documents into a shard folder (flat token files and ``index.json``); returns the folder.
+
+    ``tokenizer`` is ``gpt2``, the path of a ``tokenizer.json``, or ``bpe:N`` for a byte-level BPE of N tokens
+    trained on the inputs. With ``preset``, a tokenizer larger than the preset's vocabulary is refused first.
+    """
     from tqdm.auto import tqdm
 
     from harness import tokenizer as tokenizers
@@ -351,10 +370,26 @@ def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2
             raise UsageError(f"The input {path!r} is not a readable file (text, .jsonl or .parquet).")
         if p.is_file() and p.stat().st_size == 0:
             raise UsageError(f"The input {path!r} is empty: there is nothing in it to prepare.")
+    bpe_size = _bpe_size(tokenizer)
+    if preset is not None:  # before any work: will the model this corpus is for fit its tokenizer?
+        from harness.config import model_preset
+
+        vocab = model_preset(preset).vocab_size
+        size = bpe_size or (tokenizers.GPT2_VOCAB_SIZE if tokenizer == "gpt2" else tokenizers.from_file(tokenizer)
+                            .vocab_size)
+        if size > vocab:
+            raise UsageError(f"The tokenizer has {size} tokens but the preset {preset!r} has model.vocab_size "
+                             f"{vocab}: train on this corpus with model.vocab_size={size}, or prepare it with "
+                             f"--tokenizer bpe:{vocab}.")
     out = writable_dir(out, "shard folder")
     remove_stale_temps(out)
     if tokenizer == "gpt2":
         tok, tok_ref = tokenizers.gpt2(), "gpt2"
+    elif bpe_size:
+        # A byte-level BPE of the asked size, trained on these very documents, then used to encode them.
+        tok = tokenizers.train_bpe((t for path in inputs for t in _documents(path, text_field, split)), bpe_size)
+        tok_ref = "tokenizer.json"
+        atomic_write_text(out / "tokenizer.json", tok.to_json())
     else:
         tok, tok_ref = tokenizers.from_file(tokenizer), "tokenizer.json"
         atomic_write_text(out / "tokenizer.json", tok.to_json())

@@ -2,10 +2,10 @@
 
 ``evaluate(run_dir_or_ckpt, tasks)`` loads any checkpoint of any variant, runs the named tasks through
 ``lm_eval.simple_evaluate`` with the ``depthmem`` model, and writes lm-eval's full results JSON
-(``eval/results_<iso-time>.json``) and a flat table (``eval/table.csv``: task, metric, value, stderr) into the run
-directory. Names from the offline suite (``offline``, ``offline_*``; see ``harness.tasks``) read benchmark data
-shipped on disk and never touch the network; any other name is looked up among lm-eval's stock tasks, which
-download their data from the Hugging Face hub.
+(``eval/results_<iso-time>.json``), a flat table (``eval/table.csv``: task, metric, value, stderr) and the task
+names asked for with their limit (``eval/tasks.json``) into the run directory. Names from the offline suite
+(``offline``, ``offline_*``; see ``harness.tasks``) read benchmark data shipped on disk and never touch the network;
+any other name is looked up among lm-eval's stock tasks, which download their data from the Hugging Face hub.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from harness.errors import UsageError, did_you_mean
-from harness.io import atomic_write_text, remove_stale_temps, writable_dir
+from harness.io import atomic_write_json, atomic_write_text, read_json, remove_stale_temps, writable_dir
 from harness.tasks import KNOWN_NAMES, SUITE, TASKS_DIR, is_offline_name
 
 TABLE_COLUMNS = ("task", "metric", "value", "stderr")
@@ -85,11 +85,31 @@ def run_tasks(lm, tasks: str | Iterable[str], *, limit: int | float | None = Non
     manager = task_manager(names, metadata)
     import lm_eval
 
-    results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
-                                      bootstrap_iters=bootstrap_iters, log_samples=False, cache_requests=False)
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                                          bootstrap_iters=bootstrap_iters, log_samples=False, cache_requests=False)
+    except Exception as e:
+        twins = [n for n in names if f"{SUITE}_{n}" in KNOWN_NAMES]
+        if twins and _is_network_error(e):
+            raise UsageError(f"lm-eval could not fetch {', '.join(twins)} from the Hugging Face hub "
+                             f"({type(e).__name__}); the offline twin{'s' if len(twins) > 1 else ''} "
+                             f"{', '.join(f'{SUITE}_{n}' for n in twins)} read the same benchmark from disk.") \
+                from None
+        raise
     if results is None:  # only rank 0 gets results; a single process is always rank 0
         raise UsageError("lm-eval returned no results: run the evaluation in a single process.")
     return results
+
+
+def _is_network_error(e: BaseException) -> bool:
+    """A failure to reach the hub: connection errors, or the hub's offline-mode refusals."""
+    while e is not None:
+        words = f"{type(e).__name__} {e}"
+        if isinstance(e, ConnectionError) or any(w in words for w in (
+                "Connection", "Offline", "offline mode", "huggingface.co", "LocalEntryNotFound", "Couldn't reach")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _check_shakespeare() -> None:
@@ -118,7 +138,12 @@ def evaluate(run_dir_or_ckpt: str | os.PathLike, tasks: str | Iterable[str], *, 
     results = run_tasks(lm, names, limit=limit, bootstrap_iters=bootstrap_iters, metadata=metadata)
     results["config"]["model_args"] = {"checkpoint": str(path.resolve()), "batch_size": batch_size,
                                        "device": str(lm.device)}
-    write_results(results, out)
+    results["config"]["device"] = str(lm.device)  # where it ran, not what was asked for
+    results_path, _ = write_results(results, out)
+    # What was asked and with which limit, so a sweep that later asks for one more task evaluates only that one.
+    record = read_json(out / "tasks.json", default={}) or {}
+    record.update({name: {"limit": limit, "results": results_path.name} for name in names})
+    atomic_write_json(out / "tasks.json", record)
     return results
 
 

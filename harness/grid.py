@@ -184,6 +184,14 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def axis_keys(grid: Grid) -> list[str]:
+    """The keys the grid varies, in file order: axes, zip groups, then keys that only includes set."""
+    keys = list(grid.axes) + [k for g in grid.zips for k in g]
+    for inc in grid.include:
+        keys += [str(k) for k in inc if str(k) not in keys]
+    return keys
+
+
 def _describe(overrides: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in overrides.items()) or "the base config"
 
@@ -209,7 +217,7 @@ def expand(grid: Grid, *, defaults: dict[str, Any] | None = None) -> list[GridRu
             checked.add((cfg.variant, cfg.model.d_model, cfg.model.n_layers))
         # One budget for every run of a model size: tokens per parameter of the baseline, not of each variant.
         cfg = budget.resolve(cfg, grid.baseline, cache=counted)
-        rid = run_id(cfg)
+        rid = run_id(cfg, overrides)
         if rid in seen:
             raise UsageError(f"Two runs of {grid.source} collide as {rid!r}: {_describe(seen[rid])} and "
                              f"{_describe(overrides)} give the same config; drop one or vary another key.")

@@ -8,7 +8,8 @@ windows; generation is greedy. Requests are sorted by length and batched with lm
 padding is harmless because every variant is causal) and answers come back in request order.
 
 Build it from a checkpoint (``DepthmemLM(checkpoint="runs/x")``, or ``--model depthmem --model_args
-checkpoint=PATH`` on lm-eval's command line once this module is imported) or from a model and tokenizer already
+checkpoint=PATH`` (or ``pretrained=PATH``, after which lm-eval names its output folder) on lm-eval's command line
+once this module is imported) or from a model and tokenizer already
 in memory (``DepthmemLM(model=decoder, tokenizer=tok)``).
 """
 
@@ -29,7 +30,7 @@ from harness.errors import UsageError
 
 log = logging.getLogger(__name__)
 
-MODEL_ARGS = ("checkpoint", "batch_size", "device", "max_length", "max_gen_toks")
+MODEL_ARGS = ("checkpoint", "pretrained", "batch_size", "device", "max_length", "max_gen_toks")
 # lm-eval's evaluator passes these to every model; they mean nothing here (no automatic batch sizing).
 _IGNORED_ARGS = ("max_batch_size", "trust_remote_code")
 
@@ -61,8 +62,13 @@ class DepthmemLM(TemplateLM):
 
     def __init__(self, checkpoint: str | None = None, *, model=None, tokenizer=None, batch_size: int | str = 16,
                  device: str | None = None, max_length: int | None = None, max_gen_toks: int | str = 256,
-                 **extra: Any):
+                 pretrained: str | None = None, **extra: Any):
         super().__init__()
+        # ``pretrained=`` is what lm-eval names its output folder after, as for Hugging Face models.
+        if pretrained is not None and checkpoint is not None and str(pretrained) != str(checkpoint):
+            raise UsageError(f"The depthmem model got checkpoint={checkpoint} and pretrained={pretrained}; give "
+                             "one of them (they mean the same).")
+        checkpoint = checkpoint if checkpoint is not None else pretrained
         unknown = sorted(set(extra) - set(_IGNORED_ARGS))
         if unknown:
             raise UsageError(f"Unknown depthmem model argument {unknown[0]!r}; allowed: {', '.join(MODEL_ARGS)}.")
@@ -100,7 +106,7 @@ class DepthmemLM(TemplateLM):
     def get_model_info(self) -> dict:
         """What lm-eval records under ``config`` in its results: checkpoint, variant, size."""
         info = {"checkpoint": self.checkpoint, "params": sum(p.numel() for p in self.model.parameters()),
-                "max_length": self.max_length}
+                "max_length": self.max_length, "device_used": str(self._device)}
         if self.run_config is not None:
             info.update(variant=self.run_config.variant, preset=self.run_config.model.preset,
                         seed=self.run_config.train.seed)

@@ -5,7 +5,8 @@ Layout::
     <run_dir>/
       config.json     the resolved RunConfig, written before step 0
       env.json        package versions, git revision, host, devices
-      status.json     state (pending, running, done, failed, diverged), step, last loss, message, job id, node
+      status.json     state (pending, running, done, failed, diverged, interrupted, cancelled), step, last loss,
+                      message, job id, node, the step of the last checkpoint
       metrics.csv     one row per logged step: step, tokens, train_loss, val_loss, val_bpb, lr, grad_norm, tokens_per_s
       layers.csv      per-layer diagnostics: step, layer, kind, input_rms, output_rms, grad_norm
       summary.json    final numbers of a finished run: val_loss, val_bpb, params, costs, throughput, peak memory
@@ -34,7 +35,9 @@ from harness.config import RunConfig, build_config
 from harness.errors import UsageError
 from harness.io import DamagedFile, atomic_write_json, read_json
 
-STATES = ("pending", "running", "done", "failed", "diverged")
+STATES = ("pending", "running", "done", "failed", "diverged", "interrupted", "cancelled")
+"""``interrupted``: stopped by a signal (preemption, requeue, Ctrl-C) after saving a checkpoint, resumed by running
+the same command again; ``cancelled``: stopped by ``depthmem cancel`` or ``scancel``, resumed the same way."""
 DAMAGED = "damaged"
 """The state read from a status.json that no longer parses; never written, the next write replaces the file."""
 PACKAGES = ("torch", "lightning", "lm_eval", "submitit", "transformers", "tokenizers", "tiktoken", "numpy",
@@ -55,24 +58,102 @@ def _canonical_variant(spec: str) -> str:
         return spec
 
 
-def config_hash(cfg: RunConfig, *, with_seed: bool = False) -> str:
-    """A short hash of everything that determines a run (the seed optional, the name never)."""
+# Settings that change how a run is watched, where it runs or what is done with it afterwards, but not the model
+# it trains: evaluation, loggers, log/validation/checkpoint intervals, the process layout and the cache folder.
+# Batches are keyed by (seed, step) and the global batch is split over processes, so neither the intervals nor
+# the layout changes a step's update.
+NOT_IDENTITY = {"name": None, "slurm": None, "eval": None,
+                "train": ("logger", "wandb_project", "log_every_steps", "val_every_steps", "ckpt_every_steps",
+                          "devices", "num_nodes", "strategy"),
+                "data": ("cache_dir",)}
+
+
+def identity(cfg: RunConfig, *, with_seed: bool = True) -> dict[str, Any]:
+    """The part of a config that decides the trained model: model, variant (canonical), data, tokenizer,
+    optimisation, precision, budget and (optionally) seed."""
     d = cfg.to_dict()
     d["variant"] = _canonical_variant(cfg.variant)
-    d.pop("name", None)
-    d.pop("slurm", None)  # where a run executes does not change what it computes
+    for section, keys in NOT_IDENTITY.items():
+        if keys is None:
+            d.pop(section, None)
+        else:
+            d[section] = {k: v for k, v in d[section].items() if k not in keys}
     if not with_seed:
-        d["train"] = {k: v for k, v in d["train"].items() if k != "seed"}
-    blob = json.dumps(d, sort_keys=True, default=str).encode()
+        d["train"].pop("seed", None)
+    return d
+
+
+def config_hash(cfg: RunConfig, *, with_seed: bool = False) -> str:
+    """A short hash of the run's identity (the seed optional): equal for configs that train the same model."""
+    blob = json.dumps(identity(cfg, with_seed=with_seed), sort_keys=True, default=str).encode()
     return hashlib.sha1(blob).hexdigest()[:8]
 
 
-def run_id(cfg: RunConfig) -> str:
-    """A stable, readable id: the variant, a short config hash and the seed, e.g. ``ldm-rls_groups-4-3f2a9c1e-s0``."""
+def legacy_config_hash(cfg: RunConfig) -> str:
+    """The hash of run ids written before ids carried their axis values (everything but name, slurm and seed)."""
+    d = cfg.to_dict()
+    d["variant"] = _canonical_variant(cfg.variant)
+    d.pop("name", None)
+    d.pop("slurm", None)
+    d["train"] = {k: v for k, v in d["train"].items() if k != "seed"}
+    return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+# Short labels of common axes in run ids; any other key is labelled by its last part.
+AXIS_LABELS = {"train.lr": "lr", "train.weight_decay": "wd", "train.batch_size": "bs", "train.warmup_steps": "warmup",
+               "train.max_steps": "steps", "train.tokens_per_param": "tpp", "train.schedule": "", "model.preset": "",
+               "model.n_blocks": "blocks", "model.d_model": "d", "train.precision": "", "train.seq_len": "seq",
+               "data.corpus": "", "data.tokenizer": "tok", "model.vocab_size": "vocab"}
+_SLUG = re.compile(r"[^A-Za-z0-9.]+")
+
+
+def axis_label(key: str) -> str:
+    """The column name and id prefix of an axis: ``train.lr`` -> ``lr``; keys without a short form keep their name."""
+    if key in AXIS_LABELS:
+        return AXIS_LABELS[key] or key.rsplit(".", 1)[-1]
+    return key.rsplit(".", 1)[-1]
+
+
+def short_value(value: Any) -> str:
+    """An axis value as it reads in an id: ``0.003`` -> ``3e-3``, ``/data/fineweb`` -> ``fineweb``."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        text = f"{value:g}"
+        if "e" in text:
+            mant, exp = text.split("e")
+            return f"{mant}e{int(exp)}"
+        if 0 < abs(value) < 0.01:
+            mant, exp = f"{value:e}".split("e")
+            return f"{float(mant):g}e{int(exp)}"
+        return text
+    text = str(value)
+    if "/" in text:
+        text = text.rstrip("/").rsplit("/", 1)[-1]
+    return _SLUG.sub("-", text).strip("-")
+
+
+def run_id(cfg: RunConfig, axes: dict[str, Any] | None = None) -> str:
+    """A stable, readable id: the variant, the values of the grid's other axes, the seed and a short hash of the
+    run's identity, e.g. ``ldm-rls-lr3e-3-s0-3f2a9c1e``. The hash alone tells runs apart; the rest is for reading."""
+    import variants
+
+    parts = [_SLUG.sub("-", variants.canonical(cfg.variant)).strip("-")]
+    for key, value in (axes or {}).items():
+        if key in ("variant", "train.seed", "name"):
+            continue
+        label = AXIS_LABELS.get(key, key.rsplit(".", 1)[-1].replace("_", ""))
+        parts.append(f"{label}{short_value(value)}")
+    readable = "-".join(p for p in parts if p)[:80].strip("-.")
+    return f"{readable}-s{cfg.train.seed}-{config_hash(cfg)}"
+
+
+def legacy_run_id(cfg: RunConfig) -> str:
+    """The id the same run had before ids carried axis values: ``<variant>-<hash>-s<seed>``."""
     import variants
 
     slug = re.sub(r"[^A-Za-z0-9.]+", "-", variants.canonical(cfg.variant)).strip("-")
-    return f"{slug}-{config_hash(cfg)}-s{cfg.train.seed}"
+    return f"{slug}-{legacy_config_hash(cfg)}-s{cfg.train.seed}"
 
 
 def write_config(run_dir: Path, cfg: RunConfig) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -40,7 +41,7 @@ from harness.budget import seq_len_of
 from harness.config import RunConfig
 from harness.errors import RunFailed, UsageError
 from harness.io import (DiskFull, atomic_write_bytes, atomic_write_json, atomic_write_text, check_checkpoint_room,
-                        remove_stale_temps)
+                        read_json, remove_stale_temps)
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
@@ -149,6 +150,44 @@ def _safe_cost(fn) -> Any:
         return fn()
     except NotImplementedError:
         return None
+
+
+def duration(seconds: float | None) -> str:
+    """``1:02:03`` or ``2:03``; ``?`` when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def progress_line(step: int, total: int, elapsed: float, eta: float | None, tokens_per_s: float | None,
+                  train_loss: float | None, val_loss: float | None) -> str:
+    """One line of progress for logs that are not a terminal (SLURM's): where, how fast, how long, how good."""
+    parts = [f"step {step}/{total} ({100 * step / max(total, 1):.0f}%)", f"elapsed {duration(elapsed)}",
+             f"eta {duration(eta)}"]
+    if tokens_per_s:
+        parts.append(f"{tokens_per_s:,.0f} tok/s")
+    if train_loss is not None:
+        parts.append(f"loss {train_loss:.4f}")
+    if val_loss is not None:
+        parts.append(f"val_loss {val_loss:.4f}")
+    return "  ".join(parts)
+
+
+class _NoAdvertising(logging.Filter):
+    """Drops Lightning's tips for its own cloud products, which are not about this run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).lstrip().startswith("💡")
+
+
+def _quiet_lightning() -> None:
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _NoAdvertising) for f in log.filters):
+            log.addFilter(_NoAdvertising())
 
 
 # -- Lightning ------------------------------------------------------------------------------------------------
@@ -295,6 +334,12 @@ class RunFiles(pl.Callback):
         self._mark = (time.time(), resume_step)
         self.segment_tokens_per_s: float | None = None
         self._segment = (time.time(), resume_step)
+        self.ckpt_step = resume_step
+        self.latest_val: float | None = None
+        earlier_val = [r["val_loss"] for r in self.metrics if r.get("val_loss") not in (None, "")]
+        if earlier_val:
+            self.latest_val = float(earlier_val[-1])
+        self.smoothed_rate: float | None = None
 
     def _validate(self, trainer, module, step: int, row: dict) -> None:
         if not self.cfg.train.val_batches:
@@ -316,21 +361,27 @@ class RunFiles(pl.Callback):
                                   "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.depth_stats))
 
     def _write_row(self, trainer, row: dict) -> None:
+        if row.get("val_loss") is not None:
+            self.latest_val = row["val_loss"]
+        if row.get("tokens_per_s") is not None and row["step"] > 1:  # step 1 carries the start-up time
+            rate = row["tokens_per_s"]
+            self.smoothed_rate = rate if self.smoothed_rate is None else 0.7 * self.smoothed_rate + 0.3 * rate
         if not trainer.is_global_zero:
             return
         self.metrics.append(row)
         for logger in trainer.loggers:  # TensorBoard or W&B, when asked for
             logger.log_metrics({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
         atomic_write_text(self.run_dir / "metrics.csv", _csv_text(METRICS_COLUMNS, self.metrics))
-        rundir.write_status(self.run_dir, "running", step=row["step"], last_loss=self.last_loss,
-                            message=f"training, step {row['step']} of {trainer.lightning_module.total}")
+        module = trainer.lightning_module
+        step, total = row["step"], module.total
+        elapsed = module.elapsed_before + (time.time() - self._segment[0])
+        eta = ((total - step) * self.tokens_per_step / self.smoothed_rate) if self.smoothed_rate else None
+        rundir.write_status(self.run_dir, "running", step=step, last_loss=self.last_loss, total_steps=total,
+                            eta_s=None if eta is None else round(eta, 1), elapsed_s=round(elapsed, 1),
+                            message=f"training, step {step} of {total}")
         if self.plain_logs:
-            parts = [f"step {row['step']}/{trainer.lightning_module.total}"]
-            for key, fmt in (("train_loss", ".4f"), ("val_loss", ".4f"), ("val_bpb", ".4f"), ("lr", ".2e"),
-                             ("grad_norm", ".3f"), ("tokens_per_s", ",.0f")):
-                if row.get(key) is not None:
-                    parts.append(f"{key} {row[key]:{fmt}}")
-            print("depthmem: " + "  ".join(parts), flush=True)
+            print("depthmem: " + progress_line(step, total, elapsed, eta, self.smoothed_rate, row.get("train_loss"),
+                                               self.latest_val), flush=True)
 
     def on_train_start(self, trainer, module):
         if trainer.global_step == 0 and not self.metrics:
@@ -353,17 +404,57 @@ class RunFiles(pl.Callback):
                 self._validate(trainer, module, step, row)
             self._write_row(trainer, row)
         if module.diverged is None and (step % t.ckpt_every_steps == 0 or step == module.total):
-            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+            self._save(trainer, step)
         if step == module.total:
             self.segment_tokens_per_s = ((step - self._segment[1]) * self.tokens_per_step
                                          / max(time.time() - self._segment[0], 1e-9))
 
+    def _save(self, trainer, step: int) -> None:
+        trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+        self.ckpt_step = step
+        if trainer.is_global_zero:  # what status shows as the step a stopped run resumes from
+            rundir.write_status(self.run_dir, rundir.read_status(self.run_dir).get("state", "running"),
+                                ckpt_step=step)
+
     def on_exception(self, trainer, module, exception):
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        # Lightning stops on SIGTERM between two steps, so the state is consistent and worth keeping.
-        if isinstance(exception, SIGTERMException) and module.diverged is None:
-            trainer.save_checkpoint(self.ckpt_path, weights_only=False)
+        # Lightning stops on SIGTERM and Ctrl-C between two steps, so the state is consistent and worth keeping.
+        stopped = isinstance(exception, (SIGTERMException, KeyboardInterrupt))
+        if stopped and module.diverged is None and trainer.global_step > self.ckpt_step:
+            self._save(trainer, trainer.global_step)
+
+
+from lightning.pytorch.callbacks import TQDMProgressBar  # noqa: E402
+
+
+class StepProgressBar(TQDMProgressBar):
+    """The terminal bar over optimizer steps (``train 30/120``), with the loss and the latest validation loss."""
+
+    def __init__(self, files: RunFiles):
+        super().__init__()
+        self.files = files
+
+    def on_train_epoch_start(self, trainer, *_):
+        bar = self.train_progress_bar
+        bar.reset(total=trainer.lightning_module.total)
+        bar.initial = 0
+        bar.n = trainer.global_step
+        bar.set_description("train")
+        bar.refresh()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        bar = self.train_progress_bar
+        bar.n = trainer.global_step
+        bar.set_postfix(self.get_metrics(trainer, pl_module))
+        bar.refresh()
+
+    def get_metrics(self, trainer, pl_module):
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        if self.files.latest_val is not None:
+            items["val_loss"] = f"{self.files.latest_val:.4f}"
+        return items
 
 
 def _cluster_environment():
@@ -393,17 +484,8 @@ def _trainer(cfg: RunConfig, callbacks: list, run_dir: Path, total: int, plain_l
         plugins = []
     else:
         strategy, plugins = t.strategy, [env, ckpt_io]
-    loggers: list = []
-    if t.logger == "tensorboard":
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
-    elif t.logger == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
-
-        loggers.append(WandbLogger(save_dir=str(run_dir), project=cfg.name or "depthmem", name=run_dir.name,
-                                   id=run_dir.name, resume="allow"))
     try:
+        loggers = _loggers(cfg, run_dir)
         return pl.Trainer(
             accelerator=accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy, plugins=plugins,
             precision=precision, max_steps=total, max_epochs=-1, gradient_clip_val=t.grad_clip or None,
@@ -414,6 +496,82 @@ def _trainer(cfg: RunConfig, callbacks: list, run_dir: Path, total: int, plain_l
     except ModuleNotFoundError as e:
         raise UsageError(f"train.logger={t.logger} needs a package that is not installed: pip install {e.name}.") \
             from None
+
+
+def tracking_id(run_dir: Path) -> str:
+    """The run's W&B id: made once per run directory and kept in ``tracking.json``, so a requeued job resumes the
+    same W&B run while two sweeps with a run folder of the same name never share one."""
+    import uuid
+
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    path = run_dir / "tracking.json"
+    record = read_json(path, default={}) or {}
+    if not record.get("wandb_id") and rank_zero_only.rank != 0:
+        return run_dir.name  # other ranks never open the W&B run; only rank 0 makes the id
+    if not record.get("wandb_id"):
+        record["wandb_id"] = f"{run_dir.name[:100]}-{uuid.uuid4().hex[:8]}"
+        atomic_write_json(path, record)
+    return record["wandb_id"]
+
+
+def _loggers(cfg: RunConfig, run_dir: Path) -> list:
+    """TensorBoard or W&B, each given the full resolved config as the run's hyperparameters."""
+    t = cfg.train
+    if t.logger == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False)
+    elif t.logger == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        import variants
+
+        # Project from the grid (train.wandb_project) or the sweep's name; one group per sweep, one job type per
+        # variant, the run id as the name.
+        logger = WandbLogger(save_dir=str(run_dir), project=t.wandb_project or cfg.name or "depthmem",
+                             group=cfg.name or None, job_type=variants.canonical(cfg.variant), name=run_dir.name,
+                             id=tracking_id(run_dir), resume="allow")
+    else:
+        return []
+    logger.log_hyperparams(cfg.to_dict())
+    if t.logger == "tensorboard":
+        _tensorboard_hparams(logger, cfg)
+    return [logger]
+
+
+def _tensorboard_hparams(logger, cfg: RunConfig) -> None:
+    """The config in TensorBoard's HParams view, paired with the val_loss curve the run logs (Lightning writes
+    it only together with a placeholder metric)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if rank_zero_only.rank != 0:
+        return
+    from torch.utils.tensorboard.summary import hparams
+
+    writer = logger.experiment._get_file_writer()
+    for summary in hparams(_flatten(cfg.to_dict()), {"val_loss": 0.0}):
+        writer.add_summary(summary)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """``{"train": {"lr": 1e-3}}`` as ``{"train/lr": 1e-3}``; lists and None as text, which HParams takes."""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out
+
+
+def _finish_tracking(cfg: RunConfig, rank0: bool, *, failed: bool) -> None:
+    """Close the W&B run, so its record (offline: the run file) is complete before the job goes on or ends."""
+    if cfg.train.logger == "wandb" and rank0:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish(exit_code=1 if failed else 0)
 
 
 def _check_run_dir(run_dir: Path) -> None:
@@ -527,7 +685,8 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     module = LitDecoder(cfg, model, total=total, val_windows=torch.from_numpy(val), byte_lengths=byte_lengths,
                         tokenizer_spec=tok.spec())
     files = RunFiles(cfg, run_dir, ckpt_path, resume_step, plain_logs)
-    trainer = _trainer(cfg, [files], run_dir, total, plain_logs)
+    _quiet_lightning()
+    trainer = _trainer(cfg, [files] if plain_logs else [files, StepProgressBar(files)], run_dir, total, plain_logs)
     dataset = StepBatches(tokens.train, cfg, total,
                           lambda: (trainer.global_step, trainer.global_rank, trainer.world_size))
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
@@ -536,19 +695,30 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         trainer.fit(module, train_dataloaders=loader, ckpt_path=str(resume_from) if resume_from else None,
                     weights_only=True)
     except BaseException as e:
+        _finish_tracking(cfg, rank0, failed=True)
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+        # Lightning turns Ctrl-C into a graceful stop and then SystemExit; a signal is an interruption, not a failure.
+        signal_name = ("SIGTERM" if isinstance(e, SIGTERMException)
+                       else "Ctrl-C" if isinstance(e, KeyboardInterrupt) or trainer.interrupted else None)
         if rank0:
-            stopped = "stopped by SIGTERM" if isinstance(e, SIGTERMException) else f"failed: {type(e).__name__}: {e}"
             try:
-                rundir.write_status(run_dir, "failed", step=trainer.global_step, last_loss=files.last_loss,
-                                    message=f"{stopped}; run the same command again to resume from the last checkpoint")
+                if signal_name:
+                    rundir.write_status(run_dir, "interrupted", step=trainer.global_step, last_loss=files.last_loss,
+                                        ckpt_step=files.ckpt_step,
+                                        message=f"stopped by {signal_name} at step {trainer.global_step}; the last "
+                                                f"checkpoint is at step {files.ckpt_step}")
+                else:
+                    rundir.write_status(run_dir, "failed", step=trainer.global_step, last_loss=files.last_loss,
+                                        message=f"failed: {type(e).__name__}: {e}; run the same command again to "
+                                                f"resume from the last checkpoint (step {files.ckpt_step})")
             except DiskFull:
                 pass  # the disk that refused the run's files refuses this one too; the error below says why
-        if isinstance(e, SIGTERMException):
-            raise RunFailed(f"Training was stopped by SIGTERM at step {trainer.global_step}; run the same command "
-                            "again to resume from the last checkpoint.") from None
+        if signal_name:
+            raise RunFailed(f"Training was stopped by {signal_name} at step {trainer.global_step}; run the same "
+                            f"command again to resume from step {files.ckpt_step}.") from None
         raise
+    _finish_tracking(cfg, rank0, failed=module.diverged is not None)
     if module.diverged is not None:
         d = module.diverged
         kept = f"the last good checkpoint is {ckpt_path}" if ckpt_path.exists() else "no checkpoint was saved yet"

@@ -136,3 +136,29 @@ def test_missing_corpus_package_says_how_to_install(monkeypatch):
 @pytest.mark.skip(reason="reading a Hugging Face hub dataset needs the network, which these machines do not reach")
 def test_prepare_hub_dataset(tmp_path):
     D.prepare(["roneneldan/TinyStories"], tmp_path, split="validation", progress=False)
+
+
+def test_prepare_trains_a_bpe_of_the_asked_size_on_the_inputs(tmp_path, docs, capsys):
+    text = tmp_path / "mine.jsonl"
+    text.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert cli_main(["prepare", str(text), "--out", str(tmp_path / "s"), "--tokenizer", "bpe:300",
+                     "--preset", "tiny"]) == 0
+    assert f"model.vocab_size=300" in capsys.readouterr().out
+    tok = toklib.from_file(tmp_path / "s" / "tokenizer.json")
+    assert tok.vocab_size == 300
+    # trained on these documents: it round-trips them, and its merges come from their words
+    assert all(tok.decode(tok.encode(d)) == d for d in docs)
+    assert len(tok.encode(docs[0])) < len(docs[0].encode())
+    index = D.read_index(tmp_path / "s")
+    assert index["vocab_size"] == 300 and index["documents"] == len(docs)
+    assert cli_main(["prepare", str(text), "--out", str(tmp_path / "t"), "--tokenizer", "bpe:12"]) == 2
+    assert "at least 258" in capsys.readouterr().err
+
+
+def test_prepare_names_the_vocab_size_before_any_work(tmp_path, docs, capsys):
+    text = tmp_path / "mine.txt"
+    text.write_text(docs[0])
+    assert cli_main(["prepare", str(text), "--out", str(tmp_path / "s"), "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "model.vocab_size=50257" in err and "--tokenizer bpe:512" in err
+    assert not (tmp_path / "s").exists()  # nothing written

@@ -176,3 +176,45 @@ def test_lm_eval_arguments_pass_through_with_the_offline_folder():
     mine = ["run", "--include_path", "/my/tasks", "--tasks", "x"]
     assert lm_eval_argv(mine) == mine
     assert lm_eval_argv(["--help"]) == ["--help"]
+
+
+def test_pretrained_is_an_alias_of_checkpoint_and_the_device_used_is_recorded(tmp_path, rng_seed, monkeypatch):
+    from harness.commands.lm_eval import lm_eval_argv
+    from harness.errors import UsageError
+    from harness.evaluation import evaluate
+    from harness.lm_adapter import DepthmemLM
+
+    run = make_run(tmp_path / "run", rng_seed)
+    lm = DepthmemLM.create_from_arg_string(f"pretrained={run},device=cpu")
+    assert lm.checkpoint == str(run) and lm.run_config.train.seed == rng_seed
+    with pytest.raises(UsageError, match="mean the same"):
+        DepthmemLM(checkpoint=str(run), pretrained=str(tmp_path / "other"))
+    # asked for CUDA on a machine without it: the record says where it ran
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = lm_eval_argv(["run", "--model", "depthmem", "--model_args", f"pretrained={run}", "--device", "cuda:0"])
+    assert argv[argv.index("--device") + 1] == "cpu"
+    assert "--device" in lm_eval_argv(["run", "--model", "depthmem", "--tasks", "offline_copa"])
+    results = evaluate(run, "offline_copa", limit=2, batch_size=2, device="cuda", bootstrap_iters=0)
+    assert results["config"]["device"] == "cpu"
+
+
+def test_a_hub_task_with_an_offline_twin_suggests_it(tmp_path, rng_seed, monkeypatch, capsys):
+    from harness.cli import main
+
+    # The hub refuses at once in offline mode, as it does on a node without the network.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    run = make_run(tmp_path / "run", rng_seed)
+    assert main(["eval", str(run), "--tasks", "arc_easy", "--limit", "2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "offline_arc_easy" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_eval_says_where_it_wrote(tmp_path, rng_seed, capsys):
+    from harness.cli import main
+
+    run = make_run(tmp_path / "run", rng_seed)
+    assert main(["eval", str(run), "--tasks", "offline_copa", "--limit", "2", "--device", "cpu",
+                 "--bootstrap-iters", "0"]) == 0
+    assert f"in {run.resolve() / 'eval'}" in capsys.readouterr().out
+    assert json.loads((run / "eval" / "tasks.json").read_text())["offline_copa"]["limit"] == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import textwrap
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from harness.cli import main
 from harness.errors import UsageError
 from harness.grid import combinations, expand, load_grid, nest, parse_grid
-from harness.rundir import run_id
+from harness.rundir import run_id, short_value
 from harness.dispatch import check_executor, load_profile, plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,15 +84,52 @@ def test_ids_are_stable_readable_and_distinct(tmp_path, rng_seed):
     first = expand(load_grid(path))
     again = expand(load_grid(path))
     assert [r.run_id for r in first] == [r.run_id for r in again]
-    assert all(r.run_id == run_id(r.cfg) for r in first)
+    assert all(r.run_id == run_id(r.cfg, r.overrides) for r in first)
     assert len({r.run_id for r in first}) == 4
-    assert first[0].run_id.startswith("preln-") and first[0].run_id.endswith("-s0")
-    assert first[2].run_id.startswith("ldm-rls-groups-4-")
-    # a different learning rate is a different run, the seed alone changes only the suffix
+    assert re.fullmatch(r"preln-s0-[0-9a-f]{8}", first[0].run_id)
+    assert first[2].run_id.startswith("ldm-rls-groups-4-s0-")
+    # a different learning rate is a different run, the seed alone changes only its part of the id
     other = expand(grid_of({"base": {"model": {"preset": "tiny"}, "train.lr": lr * 2}, "axes": {"train.seed": [0]}}))
     assert other[0].run_id != first[0].run_id
-    assert first[0].run_id.rsplit("-", 1)[0] == first[1].run_id.rsplit("-", 1)[0]
+    assert first[0].run_id.replace("-s0-", "-s1-") == first[1].run_id
     assert all(r.cfg.name == "ids" for r in first)
+
+
+def test_ids_carry_the_axis_values(rng_seed):
+    rnd = random.Random(rng_seed)
+    lrs = [3e-3, round(rnd.uniform(1.1, 9.9), 1) * 1e-4]
+    runs = expand(grid_of({"base": BASE, "axes": {"variant": ["ldm-rls", "preln"], "train.lr": lrs,
+                                                  "train.seed": [0]}}))
+    ids = [r.run_id for r in runs]
+    assert ids[0].startswith("ldm-rls-lr3e-3-s0-")
+    assert ids[1].startswith(f"ldm-rls-lr{lrs[1] * 1e4:g}e-4-s0-")
+    # two runs of one variant with different lr never read alike
+    assert ids[0].split("-s0-")[0] != ids[1].split("-s0-")[0]
+    assert short_value(0.5) == "0.5" and short_value(1e-3) == "1e-3" and short_value("/data/fine/") == "fine"
+
+
+def test_identity_ignores_what_does_not_change_the_trained_model(rng_seed):
+    """Evaluation, loggers, intervals, process layout and profile leave the id alone; what trains a different
+    model changes it."""
+    rnd = random.Random(rng_seed)
+    base = {"model": {"preset": "tiny"}, "train": {"lr": 1e-3, "max_steps": 5}}
+    ref = expand(grid_of({"base": base}))[0].run_id
+    same = [{"eval": {"tasks": ["offline_arc_easy"], "limit": rnd.randint(1, 50)}},
+            {"train": {"logger": "wandb"}}, {"train": {"logger": "tensorboard", "log_every_steps": 3}},
+            {"train": {"val_every_steps": rnd.randint(2, 9), "ckpt_every_steps": rnd.randint(2, 9)}},
+            {"train": {"devices": 2, "num_nodes": 2, "strategy": "ddp"}},
+            {"slurm": {"partition": "gpu", "time_min": 5}}, {"data": {"cache_dir": "/tmp/elsewhere"}}]
+    for extra in same:
+        got = expand(grid_of({"base": {**base, **{k: {**base.get(k, {}), **v} for k, v in extra.items()}}}))[0]
+        assert got.run_id == ref, extra
+    changed = [{"train": {"lr": 2e-3}}, {"train": {"max_steps": 6}}, {"train": {"precision": "bf16-mixed"}},
+               {"train": {"batch_size": 4}}, {"model": {"d_model": 32}}, {"data": {"val_fraction": 0.1}},
+               {"variant": "ldm"}]
+    for extra in changed:
+        layer = {k: ({**base.get(k, {}), **v} if isinstance(v, dict) else v) for k, v in extra.items()}
+        assert expand(grid_of({"base": {**base, **layer}}))[0].run_id != ref, extra
+    # profiles differ only in resources and layout: the same ids
+    assert expand(grid_of({"base": base}), defaults=load_profile("local").config_layer())[0].run_id == ref
 
 
 def test_profile_sets_resources_and_ddp_layout(tmp_path):
@@ -257,3 +295,91 @@ def test_dry_run_lists_runs_and_resources_and_writes_nothing(tmp_path, capsys):
     assert out.count("submit") == 4 and "partition=debug" in out and "at most 2 at a time" in out
     assert not (tmp_path / "r").exists()
     assert os.listdir(tmp_path) == ["grid.yaml"]
+
+
+def test_a_cluster_profile_submits_to_slurm_by_default_and_a_big_local_run_asks(tmp_path, monkeypatch):
+    from harness.submit import sweep
+
+    assert load_profile("gpu-cluster").executor == "slurm" and load_grid(ROOT / "experiments" / "paper.yaml").profile \
+        == "gpu-cluster"
+    on_cluster = write(tmp_path, "name: c\nprofile: gpu-cluster\nbase: {model: {preset: tiny}}\n", "c.yaml")
+    assert plan(on_cluster, root=tmp_path).executor == "slurm"
+    assert plan(on_cluster, root=tmp_path, executor="local").executor == "local"
+    assert plan(ROOT / "experiments" / "quickstart.yaml", root=tmp_path).executor == "local"
+    prof = write(tmp_path, "executor: slurm\npartition: debug\n", "cluster.yaml")
+    path = write(tmp_path, f"name: big\nprofile: {prof}\nbase: {{model: {{preset: tiny}}}}\n"
+                           "axes: {train.seed: [0, 1, 2, 3, 4]}\n")
+    msg = expect_error("add --yes to run them here", sweep, path, executor="local", root=tmp_path / "r",
+                       log=lambda _: None)
+    assert "5 runs would train on this machine" in msg
+    assert not (tmp_path / "r" / "big").exists()
+
+
+def test_dry_run_for_slurm_checks_sbatch(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path, "name: dry\nbase: {model: {preset: tiny}}\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["sweep", str(path), "--dry-run", "--executor", "slurm", "--results", str(tmp_path / "r")]) == 2
+    assert "needs sbatch on PATH" in capsys.readouterr().err
+
+
+def test_key_value_overrides_change_the_base_but_not_an_axis(tmp_path, capsys):
+    path = write(tmp_path, "name: kv\nbase: {model: {preset: tiny}}\naxes: {train.seed: [0, 1]}\n")
+    p = plan(path, root=tmp_path / "r", overrides=["train.max_steps=7", "train.lr=0.002"])
+    assert {(r.cfg.train.max_steps, r.cfg.train.lr) for r in p.runs} == {(7, 0.002)}
+    expect_error("train.seed is an axis", plan, path, root=tmp_path / "r", overrides=["train.seed=3"])
+    assert main(["sweep", str(path), "train.max_steps=9", "--set", "train.warmup_steps=2", "--dry-run",
+                 "--results", str(tmp_path / "r")]) == 0
+    assert main(["sweep", str(path), "train.max_steps", "--dry-run", "--results", str(tmp_path / "r")]) == 2
+    assert "needs the form KEY=VALUE" in capsys.readouterr().err
+
+
+def test_version_and_subcommand_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("depthmem ")
+    with pytest.raises(SystemExit) as e:
+        main(["status", "x", "--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: depthmem status") and "--bogus" in err
+
+
+def test_old_run_folders_are_renamed_to_the_new_ids(tmp_path):
+    """A sweep run before ids carried axis values: its folders are found and renamed on the next submission."""
+    import json
+
+    from harness.rundir import legacy_run_id, write_config, write_status
+    from harness.submit import _migrate
+
+    path = write(tmp_path, "name: old\nbase: {model: {preset: tiny}}\naxes: {train.lr: [1.0e-3, 2.0e-3]}\n")
+    root = tmp_path / "r"
+    first = plan(path, root=root)
+    for r in first.runs:
+        old = root / "old" / legacy_run_id(r.cfg)
+        write_config(old, r.cfg)
+        write_status(old, "done", step=5)
+        (old / "summary.json").write_text("{}")
+    (root / "old" / "sweep.json").write_text(json.dumps({"runs": [
+        {"run_id": legacy_run_id(r.cfg), "overrides": r.overrides} for r in first.runs]}))
+    p = plan(path, root=root)
+    assert set(p.decisions.values()) == {"done"} and set(p.migrations) == {r.run_id for r in p.runs}
+    lines = []
+    _migrate(p, lines.append)
+    assert all((root / "old" / r.run_id / "summary.json").exists() for r in p.runs)
+    assert "renamed 2 run folder(s)" in lines[0]
+    assert not plan(path, root=root).migrations
+
+
+def test_no_controller_is_one_sentence(tmp_path, monkeypatch):
+    # The shared cluster cannot be stopped for a test: stand-ins answer as sbatch and sinfo do when no
+    # slurmctld runs (the message is sinfo's own).
+    for name, body in (("sbatch", "exit 0"), ("sinfo", "echo 'slurm_load_partitions: Unable to contact slurm "
+                                                      "controller (connect failure)' >&2; exit 1")):
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    from harness.errors import DepthmemError
+
+    with pytest.raises(DepthmemError) as info:
+        check_executor("slurm", load_profile("local"))
+    text = str(info.value)
+    assert text.startswith("No SLURM controller answers") and "Unable to contact" in text and "\n" not in text

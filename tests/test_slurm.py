@@ -19,7 +19,10 @@ import pytest
 from harness.errors import UsageError
 from harness.io import read_json
 from harness.rundir import read_status
-from harness.dispatch import Profile, check_executor, sweep, sweep_status
+from harness.errors import DepthmemError
+from harness.jobstate import sweep_status
+from harness.profiles import Profile
+from harness.submit import check_executor, plan, sweep
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
@@ -123,22 +126,20 @@ def test_four_runs_go_as_one_array_with_parallelism_two(array_sweep):
         assert read_status(root / "four" / r.run_id)["job_id"] == rows[r.run_id]["job_id"]
 
 
-def test_a_cancelled_run_shows_as_failed_with_the_reason(array_sweep):
+def test_a_scancelled_run_shows_as_cancelled_with_the_command_that_resumes_it(array_sweep):
     tmp, grid, root, sub, victim = array_sweep
     row = next(r for r in sweep_status("four", root) if r["run_id"] == victim)
-    assert row["state"] == "failed"
+    assert row["state"] == "cancelled"
     assert "CANCELLED" in row["reason"] and str(sub.jobs[victim].job_id) in row["reason"]
-    assert read_status(root / "four" / victim)["state"] == "failed"
+    assert row["advice"].startswith(f"depthmem sweep {grid}") and "--retry-failed" not in row["advice"]
+    assert read_status(root / "four" / victim)["state"] == "cancelled"
 
 
-def test_resubmitting_a_finished_sweep_submits_nothing(array_sweep):
+def test_resubmitting_a_finished_sweep_resumes_only_the_cancelled_run(array_sweep):
     tmp, grid, root, sub, victim = array_sweep
-    lines: list[str] = []
-    again = sweep(grid, executor="slurm", root=root, wait=False, log=lines.append)
-    assert again.jobs == {}
-    assert again.plan.decisions[victim] == "failed"
-    assert any("skipping 3 finished" in ln for ln in lines)
-    assert any("--retry-failed" in ln and victim in ln for ln in lines)
+    p = plan(grid, executor="slurm", root=root)
+    assert p.decisions[victim] == "resume"
+    assert sorted(d for rid, d in p.decisions.items() if rid != victim) == ["done"] * 3
 
 
 def test_requeue_resumes_from_the_checkpoint_with_the_same_loss(array_sweep):
@@ -151,6 +152,10 @@ def test_requeue_resumes_from_the_checkpoint_with_the_same_loss(array_sweep):
     subprocess.run(["scontrol", "requeue", str(job_id)], check=True)  # what a preemption does to the job
     # SLURM holds a requeued job back for two minutes; let it start as soon as it is pending again.
     wait_until(lambda: job_state(job_id) == "PENDING", 120, "the job to be pending again")
+    # while SLURM holds it back, status says it was requeued and where it resumes, not that it failed
+    row = sweep_status("requeue", root)[0]
+    assert row["state"] == "requeued" and row["job_active"], row
+    assert row["resume_step"] >= 20 and f"resumes from step {row['resume_step']}" in row["reason"]
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     wait_until(lambda: read_status(run_dir).get("state") == "done", 300, "the requeued run to finish")
     status = read_status(run_dir)
@@ -196,3 +201,23 @@ def test_the_local_executor_gives_the_same_results(array_sweep):
 def test_unknown_partition_is_refused_before_submission():
     with pytest.raises(UsageError, match=r"Unknown partition 'nope' .* this cluster has debug"):
         check_executor("slurm", Profile(name="x", partition="nope"))
+
+
+def test_a_refused_submission_ends_the_runs_as_failed_with_the_reason(tmp_path):
+    profile = tmp_path / "bad.yaml"
+    profile.write_text("partition: debug\ntime_min: 5\nadditional: {constraint: no-such-feature}\n")
+    grid = grid_file(tmp_path, "refused", [0], profile=str(profile))
+    with pytest.raises(DepthmemError, match="marked failed"):
+        sweep(grid, executor="slurm", root=tmp_path / "results", wait=False, log=lambda _: None)
+    (row,) = sweep_status("refused", tmp_path / "results")
+    assert row["state"] == "failed" and "refused" in row["reason"] and "--retry-failed" in row["advice"]
+
+
+def test_dry_run_for_slurm_checks_the_partition(tmp_path, capsys):
+    from harness.cli import main
+
+    profile = tmp_path / "nope.yaml"
+    profile.write_text("partition: nope\n")
+    grid = grid_file(tmp_path, "dry", [0], profile=str(profile))
+    assert main(["sweep", str(grid), "--dry-run", "--executor", "slurm", "--results", str(tmp_path / "r")]) == 2
+    assert "Unknown partition 'nope'" in capsys.readouterr().err

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 def add_parser(sub):
     p = sub.add_parser("cancel", help="cancel the queued and running jobs of a sweep",
-                       description="Cancel every queued or running job of SWEEP (scancel on SLURM) and mark its "
-                                   "runs failed; resubmit them later with depthmem sweep --retry-failed.")
+                       description="Cancel every queued or running job of SWEEP (scancel on SLURM; on this machine "
+                                   "each run's process group is stopped) and mark its runs cancelled; the same "
+                                   "`depthmem sweep FILE` later resumes them from their checkpoints.")
     p.add_argument("sweep", metavar="SWEEP", help="sweep name (results/<name>) or grid file")
-    p.add_argument("--results", metavar="DIR", help="results root (default: $DEPTHMEM_RESULTS or ./results)")
+    p.add_argument("--results", "--results-dir", dest="results", metavar="DIR",
+                   help="results root (default: $DEPTHMEM_RESULTS or ./results)")
     return p
 
 
 def run(args) -> int:
-    from harness.dispatch import cancel
+    from harness.io import read_json
+    from harness.jobstate import cancel, resolve_sweep_dir
 
     cancelled = cancel(args.sweep, args.results)
     if cancelled:
-        print(f"cancelled {len(cancelled)} run(s): {', '.join(cancelled)}")
+        grid = (read_json(resolve_sweep_dir(args.sweep, args.results) / "sweep.json") or {}).get("grid") or "FILE"
+        print(f"cancelled {len(cancelled)} run(s): {', '.join(cancelled)}; `depthmem sweep {grid}` resumes them")
     else:
         print("nothing to cancel: no run of this sweep is queued or running.")
     return 0

@@ -40,7 +40,11 @@ def run(args) -> int:
         return 0
     from lm_eval.utils import make_table
 
+    from pathlib import Path
+
     results = evaluate(args.path, args.tasks, limit=args.limit, batch_size=args.batch_size, out_dir=args.out,
                        device=args.device, bootstrap_iters=args.bootstrap_iters)
     print(make_table(results))
+    out = Path(args.out) if args.out else run_directory(Path(args.path)) / "eval"
+    print(f"depthmem: wrote lm-eval's results_*.json, table.csv and tasks.json in {out}")
     return 0

@@ -34,6 +34,19 @@ def lm_eval_argv(rest: list[str]) -> list[str]:
     wants = bool(argv) and (argv[0] in _TAKES_INCLUDE_PATH or any(a in ("--model", "--tasks", "-t") for a in argv))
     if wants and not named:
         argv += ["--include_path", str(TASKS_DIR)]
+    # lm-eval records the device it was asked for; on a machine without CUDA the depthmem model runs on the CPU,
+    # so ask for that and the record says where it ran.
+    if "depthmem" in argv and wants:
+        import torch
+
+        if not torch.cuda.is_available():
+            at = next((i for i, a in enumerate(argv) if a == "--device" or a.startswith("--device=")), None)
+            if at is None:
+                argv += ["--device", "cpu"]
+            elif argv[at] == "--device" and at + 1 < len(argv) and argv[at + 1].startswith("cuda"):
+                argv[at + 1] = "cpu"
+            elif argv[at].startswith("--device=cuda"):
+                argv[at] = "--device=cpu"
     return argv
 
 

@@ -7,13 +7,17 @@ def add_parser(sub):
     p = sub.add_parser(
         "prepare", help="tokenize documents into token shards for training (data.corpus=DIR)",
         description="Tokenize documents into flat uint16/uint32 token shards plus index.json, each document "
-                    "followed by the end-of-text token. Train on them with --set data.corpus=DIR.")
+                    "followed by the end-of-text token. Train on them with data.corpus=DIR.")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="text files (one document each), .jsonl (one per line) or .parquet (one per row) files, "
                         "or a Hugging Face dataset name (needs the network)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder to write the shards and index.json into")
-    p.add_argument("--tokenizer", default="gpt2", metavar="gpt2|PATH",
-                   help="gpt2 (default) or the path of a Hugging Face tokenizer.json (copied into DIR)")
+    p.add_argument("--tokenizer", default="gpt2", metavar="gpt2|bpe:N|PATH",
+                   help="gpt2 (default), bpe:N (a byte-level BPE of N tokens trained on the inputs), or the path "
+                        "of a Hugging Face tokenizer.json (copied into DIR)")
+    p.add_argument("--preset", metavar="NAME",
+                   help="the model preset the corpus is for: a tokenizer larger than its vocabulary is refused "
+                        "before any work, naming the model.vocab_size to use")
     p.add_argument("--text-field", default="text", help="JSONL field, Parquet column or dataset field (default: text)")
     p.add_argument("--split", default="train", help="split of a hub dataset (default: train)")
     p.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens per shard (default: 50,000,000)")
@@ -31,8 +35,8 @@ def run(args) -> int:
     from harness.data import prepare, read_index
 
     out = prepare(args.inputs, args.out, tokenizer=args.tokenizer, text_field=args.text_field, split=args.split,
-                  shard_tokens=args.shard_tokens)
+                  shard_tokens=args.shard_tokens, preset=args.preset)
     index = read_index(out)
     print(f"depthmem: {index['documents']:,} documents, {index['tokens']:,} tokens in {len(index['shards'])} "
-          f"shard(s) at {out}")
+          f"shard(s) at {out}; train on it with data.corpus={out} model.vocab_size={index['vocab_size']}")
     return 0

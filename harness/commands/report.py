@@ -14,7 +14,7 @@ def add_parser(sub):
     p.add_argument("sweep", metavar="SWEEP", help="sweep name under results/, a sweep folder, or a grid .yaml file")
     p.add_argument("--out", metavar="DIR", help="where to write the report (default: the sweep folder)")
     p.add_argument("--bench", metavar="CSV", help="benchmark CSV from `depthmem bench` (default: SWEEP/bench.csv)")
-    p.add_argument("--results-dir", metavar="DIR",
+    p.add_argument("--results", "--results-dir", dest="results_dir", metavar="DIR",
                    help="folder holding sweeps by name (default: $DEPTHMEM_RESULTS, else results)")
     p.add_argument("--dry-run", action="store_true", help="print what would be read and written, then exit")
     return p

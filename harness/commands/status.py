@@ -1,33 +1,76 @@
-"""``depthmem status``: every run of a sweep with its state, step, last loss, job, node and failure reason."""
+"""``depthmem status``: every run of a sweep with its grid values, state, progress, job, node and what to run next."""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 
-COLUMNS = ["run_id", "variant", "state", "step", "loss", "job_id", "node", "val_loss", "reason"]
+COLUMNS = ["state", "step", "loss", "val_loss", "job_id", "node", "reason"]
 
 
 def add_parser(sub):
-    p = sub.add_parser("status", help="show the runs of a sweep: state, step, loss, job, node, why it failed",
+    p = sub.add_parser("status", help="show the runs of a sweep: grid values, state, step, loss, job, node, why",
                        description="Show every run of SWEEP (a sweep name under the results root, or its grid "
-                                   "file) with its state, step, last loss, job id, node and, for a failed run, "
-                                   "the reason (from status.json, SLURM accounting and submitit's logs).")
+                                   "file) with one column per grid axis, its state, step, last loss, job id, node "
+                                   "and, for a run that stopped, the reason and the command that moves it on "
+                                   "(from status.json and the scheduler).")
     p.add_argument("sweep", metavar="SWEEP", help="sweep name (results/<name>) or grid file")
-    p.add_argument("--results", metavar="DIR", help="results root (default: $DEPTHMEM_RESULTS or ./results)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--results", "--results-dir", dest="results", metavar="DIR",
+                   help="results root (default: $DEPTHMEM_RESULTS or ./results)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON (grid values typed)")
+    p.add_argument("--watch", nargs="?", const=5.0, type=float, metavar="SECONDS",
+                   help="refresh in place every SECONDS (default 5) with steps done/total and ETA per run; "
+                        "exits when no run is queued or running")
     return p
 
 
-def run(args) -> int:
-    from harness.dispatch import format_rows, sweep_status
+def _progress(row) -> str:
+    from harness.training import duration
 
+    total = row.get("total_steps")
+    step = row.get("step") or 0
+    if not total:
+        return ""
+    eta = f", eta {duration(row['eta_s'])}" if row.get("state") == "running" and row.get("eta_s") is not None else ""
+    return f"{step}/{total}{eta}"
+
+
+def table(rows) -> str:
+    from harness.jobstate import axis_columns, format_rows
+
+    axes = axis_columns(rows)
+    for row in rows:
+        row["progress"] = _progress(row)
+        row["why / next"] = "; ".join(x for x in (row.get("reason"), row.get("advice")) if x)
+    columns = ["run_id", *axes, "state", "progress", "loss", "val_loss", "job_id", "node", "why / next"]
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    return format_rows(rows, columns) + "\n" + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+
+
+def run(args) -> int:
+    from harness.errors import UsageError
+    from harness.jobstate import sweep_status
+
+    if args.watch is not None and not args.watch > 0:
+        raise UsageError(f"--watch takes a positive number of seconds, got {args.watch}.")
     rows = sweep_status(args.sweep, args.results)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
-    print(format_rows(rows, COLUMNS))
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["state"]] = counts.get(r["state"], 0) + 1
-    print(", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
-    return 0
+    if args.watch is None:
+        print(table(rows))
+        return 0
+    tty = sys.stdout.isatty()
+    while True:
+        text = table(rows)
+        if tty:
+            sys.stdout.write("\x1b[H\x1b[J")  # redraw in place
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        if not any(r["job_active"] for r in rows):
+            return 0
+        time.sleep(args.watch)
+        rows = sweep_status(args.sweep, args.results)

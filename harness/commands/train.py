@@ -15,8 +15,11 @@ def add_parser(sub):
     p.add_argument("--preset", help="model size preset: tiny, cpu, small, gpt2-small or medium "
                                     "(default: the config file's, else tiny)")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with config sections (model, data, train, ...)")
-    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override one config field, e.g. --set train.lr=1e-3 (repeatable; applied last)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="override config fields, e.g. train.lr=1e-3 model.n_blocks=4 (applied last)")
+    p.add_argument("--set", dest="set_overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="the same as a KEY=VALUE argument (repeatable)")
+    p.add_argument("--wandb-project", metavar="NAME", help="W&B project for train.logger=wandb")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory to write (created if missing)")
     p.add_argument("--devices", type=int, help="processes on this node (CPU: DDP on gloo); sets train.devices")
     p.add_argument("--max-steps", type=int, help="optimizer steps; 0 spends the token budget; sets train.max_steps")
@@ -25,8 +28,20 @@ def add_parser(sub):
     return p
 
 
+def check_overrides(items: list[str]) -> list[str]:
+    """``key=value`` overrides, each checked for its ``=`` so a slip is one sentence, not OmegaConf's words."""
+    from harness.errors import UsageError
+
+    for item in items:
+        key, eq, _ = item.partition("=")
+        if not eq or not key.strip():
+            raise UsageError(f"The override {item!r} needs the form KEY=VALUE, e.g. train.lr=1e-3.")
+    return items
+
+
 def resolve(args):
-    """The RunConfig the arguments describe: config file, then --preset/--variant, then the flags, then --set."""
+    """The RunConfig the arguments describe: config file, then --preset/--variant, then the flags, then the
+    KEY=VALUE overrides (``--set`` ones first)."""
     from harness.config import build_config, load_config
     from harness.errors import UsageError
 
@@ -47,7 +62,10 @@ def resolve(args):
     train = {k: v for k, v in (("devices", args.devices), ("max_steps", args.max_steps)) if v is not None}
     if train:
         layers.append({"train": train})
-    layers.append(list(args.overrides))
+    overrides = check_overrides(list(getattr(args, "set_overrides", [])) + list(args.overrides))
+    if getattr(args, "wandb_project", None):
+        overrides.append(f"train.wandb_project={args.wandb_project}")
+    layers.append(overrides)
     return build_config(*layers, source=args.config or "command line")
 
 
