@@ -19,7 +19,6 @@ from typing import Any
 
 from harness.errors import UsageError
 from harness.grid import load_grid
-from harness.io import read_json
 from harness.rundir import (DAMAGED, axis_label, now_iso, read_status, read_summary, read_sweep_record,
                             write_status)
 

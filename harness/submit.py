@@ -30,11 +30,11 @@ from typing import Any
 from harness.errors import DepthmemError, UsageError
 from harness.grid import Grid, GridRun, axis_keys, expand, load_grid
 from harness import preflight
-from harness.io import atomic_write_json, read_json, remove_stale_temps, writable_dir
+from harness.io import atomic_write_json, remove_stale_temps, writable_dir
 from harness.job import RunJob, pending_tasks
 from harness.jobstate import default_root, format_rows, run_rows, stop_local, sweep_status
 from harness.profiles import EXECUTORS, Profile, load_profile
-from harness.rundir import legacy_run_id, now_iso, read_status, write_config, write_status
+from harness.rundir import legacy_run_id, now_iso, read_status, read_sweep_record, write_config, write_status
 
 LOCAL_RUNS_WITHOUT_ASKING = 4
 """Most runs of a cluster grid (a profile with ``executor: slurm``) that run on this machine without ``--yes``."""
