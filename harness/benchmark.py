@@ -30,25 +30,40 @@ import torch
 import torch.nn.functional as F
 
 from harness.config import PRESETS, ModelConfig, model_preset
-from harness.errors import UsageError
+from harness.errors import RunFailed, UsageError
 
 BASELINE = "preln"
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bfloat16": "bf16"}
 DEVICES = ("cpu", "cuda")
 
-# Ratios to PreLN (time, memory) that the optimisation work aims for: small preset, seq 256, float32, CPU.
-# Keys are canonical variant names, so ``ldm-rls`` means its defaults (G = 16).
+# Ratios to PreLN (time, memory) that the optimisation work aims for at every depth from 8 to 48 layers: width 256,
+# seq 256, batch 8, vocabulary 4096, float32, CPU. Keys are canonical variant names, so ``ldm-rls`` means its
+# defaults (G = 16).
 TARGETS: dict[str, tuple[float, float]] = {
     "ldm": (1.10, 1.20),
-    "ldm-rls": (1.30, 1.50),
-    "attnres-block": (1.15, 1.30),
-    "mhc": (1.15, 1.30),
-    "hc": (1.15, 1.30),
-    "denseformer": (1.15, 1.30),
+    "ldm-rls": (1.25, 1.30),
+    "attnres-block": (1.10, 1.20),
+    "mhc": (1.10, 1.20),
+    "hc": (1.10, 1.20),
+    "denseformer": (1.10, 1.20),
 }
-# Full AttnRes reads every earlier output, so its cost must grow with depth: it gets no fixed target.
+# Full AttnRes reads every earlier output, so its time must grow with depth: only its memory has a target at every
+# depth; its time target, 1.30x, applies at 48 layers.
 GROWTH_ONLY = ("attnres",)
+GROWTH_TARGETS = {"attnres": (1.30, 1.30, 48)}
+# PreLN against the plain pre-norm trunk (its reference): what the depth-mixing interface itself may cost.
+PRELN_TARGET = (1.02, 1.02)
+
+# Every mixer's fast path is measured beside the straightforward implementation of its own math, selected by
+# ``mixer.impl``: ``"reference"`` unless the class names another in ``reference_impl`` or below. PreLN's reference
+# is the plain pre-norm trunk (``PlainPreLN``).
+REFERENCE = ":reference"
+REFERENCE_IMPLS = {"ldm": "recurrent", "ldm-rls": "recurrent"}
+
+# A machine is busy when its 1-minute load average leaves fewer idle cores than the run's threads (before) or exceeds
+# the cores (after, when the run's own threads are part of it), by more than this margin.
+BUSY_MARGIN = 1.0
 
 # Columns of the CSV, in order.
 COLUMNS = [
@@ -57,6 +72,8 @@ COLUMNS = [
     "ratio_time", "ratio_time_iqr", "ratio_mem", "extra_time_ms", "extra_mem_bytes",
     "floor_flops_per_token", "model_flops_per_token", "floor_time_ratio",
     "floor_state_bytes_per_token", "floor_state_ratio", "target", "met",
+    "ref_impl", "ref_step_time_ms", "ref_peak_mem_bytes", "ratio_time_vs_ref", "ratio_time_vs_ref_iqr",
+    "ratio_mem_vs_ref", "vs_ref",
 ]
 
 # State streams are kept in float32 even under bf16 autocast (spec §1), so a carried float costs 4 bytes.
@@ -131,16 +148,69 @@ def resolve_variants(names: Sequence[str] | None) -> list[str]:
     return out
 
 
-def schedule(names: Sequence[str], repeats: int) -> list[list[str]]:
-    """Per repeat, the order of timed steps: every variant between two PreLN steps, order reversed on odd repeats."""
-    others = [n for n in names if n != BASELINE]
+def schedule(names: Sequence[str], repeats: int, references: Sequence[str] = ()) -> list[list[str]]:
+    """Per repeat, the order of timed steps: every variant between two PreLN steps, order reversed on odd repeats.
+
+    A variant named in ``references`` is timed next to its reference (``name + REFERENCE``), both between the same
+    two PreLN steps, in alternating order; PreLN's own reference (the plain trunk) sits alone between two.
+    """
+    groups = [[BASELINE + REFERENCE]] if BASELINE in references else []
+    groups += [[n, n + REFERENCE] if n in references else [n] for n in names if n != BASELINE]
     rounds = []
     for r in range(repeats):
         order = [BASELINE]
-        for name in (others if r % 2 == 0 else others[::-1]):
-            order += [name, BASELINE]
+        for group in (groups if r % 2 == 0 else [g[::-1] for g in groups[::-1]]):
+            order += group + [BASELINE]
         rounds.append(order)
     return rounds
+
+
+def _base_name(name: str) -> str:
+    return name.split("(", 1)[0]
+
+
+def reference_impl(name: str, mixer) -> str | None:
+    """The ``impl`` of ``mixer`` that is the straightforward form of its math, or None when it has no other."""
+    if not hasattr(mixer, "impl"):
+        return None
+    return getattr(mixer, "reference_impl", None) or REFERENCE_IMPLS.get(_base_name(name), "reference")
+
+
+class PlainPreLN(torch.nn.Module):
+    """The plain pre-norm trunk a PreLN decoder is held to: ``x ← x + F_l(RMSNorm_l(x))`` written out, with no
+    depth-mixing interface, on the decoder's own parameters and blocks (``F.rms_norm`` for the norms)."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, idx):
+        m = self.decoder
+        x = m.embed(idx)  # (b, t, d)
+        for layer in m.layers:
+            x = x + layer.fn(F.rms_norm(x, x.shape[-1:], layer.norm.weight, layer.norm.eps))
+        return m.lm_head(F.rms_norm(x, x.shape[-1:], m.final_norm.weight, m.final_norm.eps))
+
+
+def reference_model(name: str, model):
+    """The straightforward implementation beside ``model`` (same weights), and the ``impl`` it runs, or None."""
+    import copy
+
+    if _base_name(name) == BASELINE:
+        return PlainPreLN(model), "plain pre-norm trunk"
+    impl = reference_impl(name, model.mixer)
+    if impl is None or impl == model.mixer.impl:
+        return None
+    ref = copy.deepcopy(model)
+    ref.mixer.impl = impl
+    return ref, impl
+
+
+def busy(load_before: Sequence[float], load_after: Sequence[float], threads: int) -> bool:
+    """Whether other work competed for the cores during a run, from the 1-minute load averages around it."""
+    cores = os.cpu_count() or 1
+    return bool((load_before and load_before[0] > max(0, cores - threads) + BUSY_MARGIN)
+                or (load_after and load_after[0] > cores + BUSY_MARGIN))
 
 
 # -- measurement ----------------------------------------------------------------------------------------------
@@ -292,14 +362,25 @@ def _floor(mixer, cfg: ModelConfig, seq_len: int) -> dict:
     }
 
 
-def target_of(name: str) -> tuple[str, Callable[[float, float], str]]:
-    """The target text of a canonical variant name and how to mark a (time, memory) ratio pair against it."""
+def target_of(name: str, depth: int | None = None) -> tuple[str, Callable[[float, float], str]]:
+    """The target text of a canonical variant name and how to mark a (time, memory) ratio pair against it.
+
+    For ``preln`` the pair is its ratio to the plain trunk; for every other variant, its ratio to ``preln``.
+    """
+    def mark_of(t, m):
+        return lambda rt, rm: "met" if rt <= t and rm <= m else "not met"
+
     if name in TARGETS:
         t, m = TARGETS[name]
-        return f"<={t:.2f}x time, <={m:.2f}x mem", \
-            lambda rt, rm: "met" if rt <= t and rm <= m else "not met"
-    if name in GROWTH_ONLY:
-        return "growth with depth", lambda rt, rm: "see scaling"
+        return f"<={t:.2f}x time, <={m:.2f}x mem", mark_of(t, m)
+    if name in GROWTH_TARGETS:
+        t, m, at = GROWTH_TARGETS[name]
+        if depth == at:
+            return f"<={t:.2f}x time at L={at}, <={m:.2f}x mem", mark_of(t, m)
+        return f"<={m:.2f}x mem (time: growth with depth)", mark_of(math.inf, m)
+    if name == BASELINE:
+        t, m = PRELN_TARGET
+        return f"<={t:.2f}x time, <={m:.2f}x mem of the plain trunk", mark_of(t, m)
     return "", lambda rt, rm: ""
 
 
@@ -311,28 +392,35 @@ def _iqr(values: Sequence[float]) -> float:
 
 
 def _measure_shape(names, shape, *, preset, vocab, batch_size, device, dtype, repeats, warmup,
-                   steps_per_repeat, seed, threads, log) -> list[dict]:
+                   steps_per_repeat, seed, threads, references, log) -> list[dict]:
     from harness.factory import build_model
 
     cfg = model_config(preset, shape, vocab)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(cfg.vocab_size, (batch_size, shape.seq_len + 1), generator=gen)
     idx, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)  # (b, t) each
-    models, steps = {}, {}
+    models, steps, impls = {}, {}, {}
     for name in names:
         torch.manual_seed(seed)  # every variant starts from the same draw, so the decoders match
         models[name] = build_model(cfg, name).to(device).train()
         steps[name] = _step_fn(models[name], idx, targets, dtype)
+        ref = reference_model(name, models[name]) if references else None
+        if ref is not None:
+            key = name + REFERENCE
+            models[key], impls[name] = ref[0].to(device).train(), ref[1]
+            steps[key] = _step_fn(models[key], idx, targets, dtype)
+    timed = list(models)
 
     for _ in range(warmup):
-        for name in names:
+        for name in timed:
             steps[name]()
             models[name].zero_grad(set_to_none=True)
 
-    times: dict[str, list[float]] = {n: [] for n in names}
-    ratios: dict[str, list[float]] = {n: [] for n in names}
-    extras: dict[str, list[float]] = {n: [] for n in names}
-    for r, order in enumerate(schedule(names, repeats)):
+    times: dict[str, list[float]] = {n: [] for n in timed}
+    ratios: dict[str, list[float]] = {n: [] for n in timed}
+    extras: dict[str, list[float]] = {n: [] for n in timed}
+    vs_ref: dict[str, list[float]] = {n: [] for n in impls}
+    for r, order in enumerate(schedule(names, repeats, list(impls))):
         gc.collect()
         gc.disable()  # a collection inside a timed step is noise of the harness, not of the variant
         try:
@@ -342,12 +430,21 @@ def _measure_shape(names, shape, *, preset, vocab, batch_size, device, dtype, re
                 models[name].zero_grad(set_to_none=True)
         finally:
             gc.enable()
+        this = {}
         for i, (name, sec) in enumerate(measured):
             times[name].append(sec)
+            this[name] = sec
             if name != BASELINE:
-                base = (measured[i - 1][1] + measured[i + 1][1]) / 2
+                before = next(s for n, s in reversed(measured[:i]) if n == BASELINE)
+                after = next(s for n, s in measured[i + 1:] if n == BASELINE)
+                base = (before + after) / 2
                 ratios[name].append(sec / base)
                 extras[name].append(sec - base)
+        for name in impls:
+            if name == BASELINE:  # PreLN against the plain trunk, from the trunk's two PreLN neighbours
+                vs_ref[name].append(1.0 / ratios[name + REFERENCE][-1])
+            else:
+                vs_ref[name].append(this[name] / this[name + REFERENCE])
         # PreLN against its neighbour PreLN: the drift the sandwich has to absorb, reported as its spread.
         base_times = [s for n, s in measured if n == BASELINE]
         ratios[BASELINE] += [b / a for a, b in zip(base_times, base_times[1:])] or [1.0]
@@ -355,7 +452,7 @@ def _measure_shape(names, shape, *, preset, vocab, batch_size, device, dtype, re
             log(f"  {shape}: repeat {r + 1}/{repeats} done")
 
     memory = {}
-    for name in names:
+    for name in timed:
         memory[name] = peak_step_bytes(models[name], steps[name], device)
 
     rows = []
@@ -364,8 +461,23 @@ def _measure_shape(names, shape, *, preset, vocab, batch_size, device, dtype, re
         step_s = statistics.median(times[name])
         ratio_time = 1.0 if name == BASELINE else statistics.median(ratios[name])
         mem, saved = memory[name]
-        target, mark = target_of(name)
         ratio_mem = mem / base_mem
+        ref = {"ref_impl": "", "ref_step_time_ms": math.nan, "ref_peak_mem_bytes": math.nan,
+               "ratio_time_vs_ref": math.nan, "ratio_time_vs_ref_iqr": math.nan, "ratio_mem_vs_ref": math.nan,
+               "vs_ref": ""}
+        if name in impls:
+            key = name + REFERENCE
+            vt = statistics.median(vs_ref[name])
+            ref.update(ref_impl=impls[name], ref_step_time_ms=statistics.median(times[key]) * 1e3,
+                       ref_peak_mem_bytes=memory[key][0], ratio_time_vs_ref=vt,
+                       ratio_time_vs_ref_iqr=_iqr(vs_ref[name]), ratio_mem_vs_ref=mem / memory[key][0],
+                       # No faster than its own straightforward form is a failure, beyond the run's noise.
+                       vs_ref="slower" if vt > 1.0 + max(0.02, _iqr(vs_ref[name])) else "ok")
+        target, mark = target_of(name, shape.depth)
+        if name == BASELINE:
+            met = mark(ref["ratio_time_vs_ref"], ref["ratio_mem_vs_ref"]) if name in impls else ""
+        else:
+            met = mark(ratio_time, ratio_mem)
         rows.append({
             "variant": name, "depth": shape.depth, "width": shape.width, "seq_len": shape.seq_len,
             "batch_size": batch_size, "vocab_size": cfg.vocab_size, "device": device.type, "dtype": dtype,
@@ -377,7 +489,7 @@ def _measure_shape(names, shape, *, preset, vocab, batch_size, device, dtype, re
             "extra_time_ms": 0.0 if name == BASELINE else statistics.median(extras[name]) * 1e3,
             "extra_mem_bytes": mem - base_mem,
             **_floor(models[name].mixer, cfg, shape.seq_len),
-            "target": target, "met": mark(ratio_time, ratio_mem),
+            "target": target, "met": met, **ref,
         })
     del models, steps
     gc.collect()
@@ -388,11 +500,16 @@ def bench(variants: Sequence[str] | None = None, *, preset: str = "small", depth
           widths: Sequence[int] | None = None, seqs: Sequence[int] = (256,), batch_size: int = 8,
           device: str = "cpu", dtype: str | torch.dtype = "float32", repeats: int = 5, warmup: int = 2,
           out_dir: str | os.PathLike | None = None, vocab: int | None = None, threads: int | None = None,
-          steps_per_repeat: int = 1, seed: int = 0, log: Callable[[str], None] | None = None):
+          steps_per_repeat: int = 1, seed: int = 0, references: bool = True, require_quiet: bool = False,
+          log: Callable[[str], None] | None = None):
     """Time and memory of every variant against PreLN over a grid of depths, widths and sequence lengths.
 
     Returns one row per variant and shape (columns ``COLUMNS``); with ``out_dir`` also writes ``bench.csv``,
-    ``bench_scaling.csv``, ``bench_meta.json`` and ``overhead_vs_<axis>.png`` there (``plot_axis``).
+    ``bench_scaling.csv``, ``bench_meta.json`` and ``overhead_vs_<axis>.png`` there (``plot_axis``). With
+    ``references`` every variant is also timed against the straightforward implementation of its own math
+    (``reference_model``). The run is marked ``busy`` in its metadata when the load average says other work
+    competed for the cores; with ``require_quiet`` a busy machine is refused before measuring, and a run that
+    turned out busy writes nothing.
     """
     import pandas as pd
 
@@ -434,6 +551,10 @@ def bench(variants: Sequence[str] | None = None, *, preset: str = "small", depth
     threads = threads or old_threads
     torch.set_num_threads(threads)
     load_before = _loadavg()
+    if require_quiet and busy(load_before, [], threads):
+        torch.set_num_threads(old_threads)
+        raise RunFailed(f"The machine is busy (load average {load_before} on {os.cpu_count()} CPUs, {threads} "
+                        "threads asked for): reference numbers need a quiet machine; try again later.")
     rows = []
     try:
         for shape in grid:
@@ -442,7 +563,8 @@ def bench(variants: Sequence[str] | None = None, *, preset: str = "small", depth
                     f"seq {shape.seq_len} on {device} with {threads} threads")
             rows += _measure_shape(names, shape, preset=preset, vocab=vocab, batch_size=batch_size, device=dev,
                                    dtype=dtype, repeats=repeats, warmup=warmup,
-                                   steps_per_repeat=steps_per_repeat, seed=seed, threads=threads, log=log)
+                                   steps_per_repeat=steps_per_repeat, seed=seed, threads=threads,
+                                   references=references, log=log)
     finally:
         torch.set_num_threads(old_threads)
     df = pd.DataFrame(rows, columns=COLUMNS)
@@ -451,12 +573,16 @@ def bench(variants: Sequence[str] | None = None, *, preset: str = "small", depth
         "dtype": dtype, "batch_size": batch_size, "repeats": repeats, "warmup": warmup,
         "steps_per_repeat": steps_per_repeat, "seed": seed, "torch": torch.__version__,
         "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-        "loadavg_before": load_before, "loadavg_after": _loadavg(),
+        "loadavg_before": load_before, "loadavg_after": (load_after := _loadavg()),
+        "busy": busy(load_before, load_after, threads), "references": references,
         "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else "",
         "memory_method": ("torch.cuda.max_memory_allocated" if device == "cuda"
                           else "torch.profiler allocator totals (profile_memory=True)"),
     }
     if out_dir is not None:
+        if require_quiet and df.attrs["meta"]["busy"]:
+            raise RunFailed(f"The machine became busy during the run (load average {load_before} -> {load_after} on "
+                            f"{os.cpu_count()} CPUs): nothing was written to {str(out_dir)!r}; run it again later.")
         write_outputs(df, out_dir)
     return df
 
@@ -523,7 +649,8 @@ def format_table(df) -> str:
         peak_mem_MiB=df["peak_mem_bytes"] / 2**20,
         state_B_per_tok=df["floor_state_bytes_per_token"],
     )[["variant", "depth", "width", "seq_len", "step_time_ms", "tokens_per_s", "peak_mem_MiB", "ratio_time",
-       "ratio_time_iqr", "ratio_mem", "floor_time_ratio", "state_B_per_tok", "target", "met"]]
+       "ratio_time_iqr", "ratio_mem", "floor_time_ratio", "state_B_per_tok", "target", "met", "ref_impl",
+       "ratio_time_vs_ref", "ratio_mem_vs_ref", "vs_ref"]]
     return view.to_string(index=False, float_format=lambda x: f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}")
 
 

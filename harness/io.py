@@ -132,6 +132,36 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
+def append_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Append ``data`` to ``path`` in one ``write`` call on an ``O_APPEND`` descriptor.
+
+    A killed process leaves a regular file's single ``write`` either done or not done, so a line appended whole
+    is never seen cut short; durability comes from ``fsync_path`` at the points that must survive a power loss.
+    """
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # the umask applies, as with open
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as e:
+        if e.errno in _NO_SPACE:
+            raise DiskFull(no_space_message(path, len(data))) from None
+        raise
+    finally:
+        os.close(fd)
+    return path
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush ``path``'s data to disk (a file appended to with ``append_bytes``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 

@@ -209,6 +209,8 @@ def read_metric_rows(path: Path, up_to_step: int) -> list[dict[str, str]]:
         text = Path(path).read_bytes().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return []
+    if not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]  # a line whose append never finished is not a row
     rows = []
     try:
         for row in csv.DictReader(io.StringIO(text.replace("\0", ""))):

@@ -186,8 +186,56 @@ def test_targets_are_marked_met_or_not():
     text, mark = B.target_of("ldm")
     assert "1.10" in text and "1.20" in text
     assert mark(1.05, 1.19) == "met" and mark(1.11, 1.0) == "not met" and mark(1.0, 1.21) == "not met"
-    assert B.target_of("attnres")[0] == "growth with depth"
+    text, mark = B.target_of("attnres", 48)
+    assert "1.30x time at L=48" in text and mark(1.29, 1.29) == "met" and mark(1.31, 1.0) == "not met"
+    text, mark = B.target_of("attnres", 16)
+    assert "growth with depth" in text and mark(5.0, 1.29) == "met" and mark(1.0, 1.31) == "not met"
+    assert "plain trunk" in B.target_of("preln")[0]
     assert B.target_of("ldm-rls(groups=4)")[0] == ""
+
+
+def test_schedule_times_each_variant_next_to_its_reference():
+    rounds = B.schedule(["preln", "a", "b"], 2, references=["preln", "a"])
+    assert rounds[0] == ["preln", "preln:reference", "preln", "a", "a:reference", "preln", "b", "preln"]
+    assert rounds[1] == ["preln", "b", "preln", "a:reference", "a", "preln", "preln:reference", "preln"]
+
+
+def test_plain_trunk_and_reference_models_compute_what_the_variant_computes(rng_seed):
+    """The references timed beside each variant are the same function: the plain trunk equals PreLN, and every
+    mixer's reference implementation equals its fast path (float64, same weights)."""
+    idx = torch.randint(0, 512, (2, 16))
+    for name in variants.names():
+        model = build_model(B.model_config("tiny", B.Shape(4, 64, 16)), name).to(torch.float64)
+        with torch.no_grad():
+            for p in model.mixer.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        ref = B.reference_model(name, model)
+        assert ref is not None, f"{name} has no reference implementation to be measured against"
+        ref_model, impl = ref
+        if name != "preln":
+            assert impl != model.mixer.impl and ref_model.mixer.impl == impl
+        torch.testing.assert_close(ref_model(idx), model(idx), rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_reference_ratios_are_reported_for_every_variant(rng_seed):
+    df = _tiny(variants=["hc"])
+    assert set(df["ref_impl"]) == {"plain pre-norm trunk", "reference"}
+    assert (df["ratio_time_vs_ref"] > 0).all() and (df["ratio_mem_vs_ref"] > 0).all()
+    assert set(df["vs_ref"]) <= {"ok", "slower"}
+    assert _tiny(variants=["hc"], references=False)["ref_impl"].eq("").all()
+
+
+def test_busy_machine_is_marked_and_refused_for_reference_numbers(monkeypatch, tmp_path):
+    cores = B.os.cpu_count()
+    assert not B.busy([0.1], [cores], threads=1)
+    assert B.busy([cores + 2.0], [0.0], threads=1) and B.busy([0.0], [cores + 2.0], threads=1)
+    monkeypatch.setattr(B.os, "getloadavg", lambda: (cores + 5.0, cores + 5.0, cores + 5.0))
+    with pytest.raises(B.RunFailed, match="busy"):
+        _tiny(variants=["preln"], require_quiet=True, out_dir=tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+    df = _tiny(variants=["preln"], out_dir=tmp_path / "c")
+    assert df.attrs["meta"]["busy"] is True
+    assert '"busy": true' in (tmp_path / "c" / "bench_meta.json").read_text()
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -215,3 +263,16 @@ def test_variant_list_keeps_knob_commas_together():
     from harness.commands.bench import _variant_list
 
     assert _variant_list("ldm-rls(groups=4,lambda=1.0),hc, preln") == ["ldm-rls(groups=4,lambda=1.0)", "hc", "preln"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "2"], "--steps must be an integer of at least 3"),
+    (["--val-every", "0"], "--val-every"),
+    (["--seq", "128,256"], "one sequence length"),
+    (["--variants", "no-such-mixer"], "Known"),
+])
+def test_loop_bench_bad_settings_exit_2_before_training(argv, words, capsys, tmp_path):
+    assert main(["bench", "--loop", "--preset", "tiny", "--out", str(tmp_path / "loop"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+    assert not (tmp_path / "loop").exists()

@@ -57,3 +57,37 @@ def test_sigkill_then_rerun_matches_an_uninterrupted_run(tmp_path, tmp_path_fact
     reference = train(cfg, tmp_path / "uninterrupted")
     assert _curve(tmp_path / "killed") == _curve(reference)
     assert [s for s, _, _ in _curve(reference)] == [str(i) for i in range(17)]
+
+
+def test_metrics_log_appends_and_resumes_to_exactly_the_uninterrupted_rows(tmp_path):
+    """Rows are appended, not rewritten; a resumed segment keeps exactly the rows up to its checkpoint step, even
+    after a killed segment left later rows and a line cut short behind."""
+    from harness.training import METRICS_COLUMNS, CsvLog, _csv_text, _read_rows
+
+    gen = torch.Generator().manual_seed(7)
+    rows = [{"step": s, "tokens": 64 * s, "train_loss": float(torch.rand((), generator=gen)),
+             "val_loss": float(torch.rand((), generator=gen)) if s % 4 == 0 else None} for s in range(13)]
+    path = tmp_path / "metrics.csv"
+    log = CsvLog(path, METRICS_COLUMNS, [])
+    log.add(rows[:1])
+    inode = path.stat().st_ino
+    for row in rows[1:9]:
+        log.add([row])
+    assert path.stat().st_ino == inode, "a later row rewrote the file instead of appending"
+    log.sync()
+    uninterrupted = _csv_text(METRICS_COLUMNS, rows)
+    assert path.read_text() == _csv_text(METRICS_COLUMNS, rows[:9])
+
+    with open(path, "a") as f:  # what a kill mid-append could leave: a line without its end
+        f.write("9,576,0.5")
+    resumed_at = 5  # the checkpoint of the killed segment
+    kept = _read_rows(path, resumed_at)
+    assert [int(r["step"]) for r in kept] == list(range(resumed_at + 1))
+    log = CsvLog(path, METRICS_COLUMNS, kept)
+    for row in rows[resumed_at + 1:]:
+        log.add([row])
+    assert path.read_text() == uninterrupted
+
+    with open(path, "a") as f:
+        f.write("1")  # a cut-off line that would read as an early step must not count either
+    assert [int(r["step"]) for r in _read_rows(path, 12)] == list(range(13))

@@ -232,6 +232,18 @@ def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
     assert "neither an embedded corpus" in capsys.readouterr().err
 
 
+def test_global_grad_norm_matches_the_float64_norm(rng_seed):
+    from harness.training import global_grad_norm
+
+    grads = [torch.randn(3 * 4096 + 17), torch.randn(64, 96) * 1e-3, torch.randn(5), torch.randn(2, 4096) * 50]
+    exact = float(torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads])))
+    assert global_grad_norm(grads) == pytest.approx(exact, rel=1e-6)
+    as64 = [g.double() for g in grads]
+    assert global_grad_norm(as64) == pytest.approx(exact, rel=1e-13)
+    assert global_grad_norm([g.bfloat16() for g in grads]) == pytest.approx(
+        float(torch.linalg.vector_norm(torch.cat([g.bfloat16().double().flatten() for g in grads]))), rel=1e-5)
+
+
 def test_budget_is_the_same_for_every_variant_of_a_size():
     from harness.costs import preln_params
     from harness.factory import build_model

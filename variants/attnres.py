@@ -6,15 +6,27 @@ Layer ``l`` reads ``a_l = Σ_i softmax_i(w_l^T RMSNorm(v_i)) v_i`` with a learne
 pseudo-query ``w_l ∈ R^d``, zero-initialized so that every layer starts from the uniform average of what came
 before; keys are normalized, values are not, and there is no residual ``x + ...``: the read is the input. The
 head aggregates all ``L + 1`` sources with its own pseudo-query. Unpublished detail: the key RMSNorm has no
-gain, since a per-channel gain would only rescale ``w_l``. Axes: b batch, t time, d width, s source.
+gain, since a per-channel gain would only rescale ``w_l``.
+
+Two implementations compute the same function (``mixer.impl``). ``reference`` follows the formula: each read
+stacks every earlier key and value and attends over them, so autograd keeps a fresh (b, t, s, d) stack per read,
+O(L²·d) floats per token. ``fused``, the default, keeps every value once in one buffer and, because the query is
+input-independent, turns the logits into ``ρ_s (v_s · w_r)`` with ``ρ_s`` the key norm's scale: each value's logits
+for all later readers are one matrix product when it is written. A read is then a softmax over a row of that table
+and one batched product; its backward leaves ``∂a_r`` and the logits' gradients in buffers, and each write's
+backward collects its value's gradient from them at once (``FusedWrite``). Nothing per (read, source) pair is
+saved or allocated. tests/test_fast_paths.py holds it to the reference in float64.
+Axes: b batch, t time, d width, s source, r reader, n token (b·t flattened).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer, register
 
@@ -47,6 +59,154 @@ def depth_attention(query: torch.Tensor | None, keys: list[torch.Tensor], values
     return (weights.unsqueeze(-1) * v).sum(-2), weights
 
 
+RMS_EPS = 1e-6
+
+
+def _bdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # Per-token dot products as a batch of 1×d by d×1 products: one pass, no (b, t, d) temporary.
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).squeeze(-1).squeeze(-1)
+
+
+class DepthAttention(torch.autograd.Function):
+    """``depth_attention`` over a few sources without stacking them: ``apply(query, n, *keys, *values)`` with
+    ``query`` (d,), keys and values (b, t, d) each, all in the mixing precision -> (b, t, d) and the weights
+    (b, t, s). Backward keeps only the weights (the keys and values are the caller's state, held anyway), where
+    the stacked form saves a fresh (b, t, s, d) copy of both for every read."""
+
+    @staticmethod
+    def forward(ctx, query, n: int, *kv):
+        keys, values = kv[:n], kv[n:]
+        p = torch.softmax(torch.stack([k @ query for k in keys], dim=-1), dim=-1)  # (b, t, s)
+        a = values[0] * p[..., 0, None]
+        for i in range(1, n):
+            a.addcmul_(values[i], p[..., i, None])
+        ctx.n = n
+        ctx.save_for_backward(query, p, *kv)
+        ctx.mark_non_differentiable(p)
+        return a, p
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da, _):
+        query, p, *kv = ctx.saved_tensors
+        n, d = ctx.n, query.shape[-1]
+        keys, values = kv[:n], kv[n:]
+        dp = torch.stack([_bdot(v, da) for v in values], dim=-1)  # v_s · ∂a, (b, t, s)
+        g = p * (dp - (p * dp).sum(-1, keepdim=True))  # the logits' gradient
+        dq = sum(g[..., i].reshape(-1) @ k.reshape(-1, d) for i, k in enumerate(keys))
+        dkeys = [g[..., i, None] * query for i in range(n)]
+        dvalues = [da * p[..., i, None] for i in range(n)]
+        return dq, None, *dkeys, *dvalues
+
+
+def depth_attention_fused(query: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    """``depth_attention`` through ``DepthAttention``; same arguments and results."""
+    dt = keys[0].dtype
+    if query is None:
+        return values[0].to(dt), keys[0].new_ones(*keys[0].shape[:-1], 1)
+    with torch.autocast(keys[0].device.type, enabled=False):
+        return DepthAttention.apply(query.to(dt), len(keys), *keys, *[v.to(dt) for v in values])
+
+
+class DepthBuffers:
+    """One forward pass of the fused path: every source's value and key scale, the logits of every (reader, source)
+    pair, the reads' softmax weights, and what the reads' backward passes leave for the writes' backward."""
+
+    def __init__(self, e: torch.Tensor, queries: torch.Tensor):
+        b, t, d = e.shape
+        n, L = b * t, queries.shape[0]
+        dt = mix_dtype(e)
+        self.shape, self.queries = (b, t, d), queries
+        self.values = e.new_empty(n, L + 1, d, dtype=dt)  # source s at [:, s]: e, v_0, ..., v_{L-1}
+        self.scale = e.new_empty(n, L + 1, dtype=dt)  # ρ_s = 1 / sqrt(mean(v_s²) + eps)
+        self.logits = e.new_zeros(n, L + 1, L + 1, dtype=dt)  # [n, s, r] = ρ_s v_s · w_r for r ≥ max(s, 1)
+        self.weights = e.new_zeros(n, L + 1, L + 1, dtype=dt)  # [n, r, s] = softmax_s of reader r
+        self.dlogits: torch.Tensor | None = None  # [n, s, r], filled by the reads' backward passes
+        self.dreads: torch.Tensor | None = None  # [n, r, d] = ∂a_r
+
+    def backward_buffers(self) -> None:
+        if self.dreads is None:
+            n, S, d = self.values.shape
+            self.dlogits = self.values.new_zeros(n, S, S)
+            self.dreads = self.values.new_zeros(n, S, d)
+
+
+class FusedWrite(torch.autograd.Function):
+    """Identity on source ``s``; forward stores it and its logits for every later reader, backward collects
+    ``∂v_s = Σ_r p_rs ∂a_r + Σ_r g_rs (ρ_s w_r − ρ_s² ℓ_rs v_s / d)`` (``g`` the logits' gradients, ``ℓ`` the
+    logits) and the queries' share ``∂w_r = Σ_n g_rs ρ_s v_s`` once every read of it has run its backward."""
+
+    @staticmethod
+    def forward(ctx, v, queries, buf: DepthBuffers, s: int):
+        n, S, d = buf.values.shape
+        x = v.reshape(n, d).to(buf.values.dtype)
+        buf.values[:, s] = x
+        rho = torch.rsqrt(x.pow(2).mean(-1) + RMS_EPS)
+        buf.scale[:, s] = rho
+        first = max(s, 1)  # reader 0 reads the embedding alone, with weight 1: it needs no logits
+        if first < S:
+            w = queries[first - 1:].to(x.dtype)  # (r', d): readers first .. L
+            buf.logits[:, s, first:] = (x @ w.mT) * rho[:, None]
+        ctx.buf, ctx.s, ctx.v_dtype = buf, s, v.dtype
+        ctx.set_materialize_grads(False)  # the reads return None for their sources
+        return v.view_as(v)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dv_in):
+        buf, s = ctx.buf, ctx.s
+        n, S, d = buf.values.shape
+        first = max(s, 1)
+        dq = None
+        with torch.autocast(buf.values.device.type, enabled=False):
+            if first < S and buf.dreads is not None:
+                x, rho = buf.values[:, s], buf.scale[:, s]  # (n, d), (n,)
+                p = buf.weights[:, first:, s].unsqueeze(1)  # (n, 1, r')
+                dv = torch.bmm(p, buf.dreads[:, first:]).squeeze(1)  # Σ_r p_rs ∂a_r
+                g = buf.dlogits[:, s, first:]  # (n, r')
+                gr = g * rho[:, None]
+                w = buf.queries[first - 1:].to(x.dtype)
+                dv.addmm_(gr, w)
+                c = (g * buf.logits[:, s, first:]).sum(-1) * rho.square() / d
+                dv.addcmul_(c[:, None], x, value=-1.0)
+                if ctx.needs_input_grad[1]:
+                    dq = torch.zeros_like(buf.queries)
+                    dq[first - 1:] = (gr.mT @ x).to(dq.dtype)
+            else:
+                dv = None
+        if dv is None:
+            return dv_in, dq, None, None
+        dv = dv.view(buf.shape).to(ctx.v_dtype)
+        return (dv if dv_in is None else dv.add_(dv_in)), dq, None, None
+
+
+class FusedRead(torch.autograd.Function):
+    """``a_r = Σ_{s≤r} softmax_s(ℓ_rs) v_s`` from the buffers; ``apply(buf, r, *sources)``, the sources passed only
+    so that autograd runs their writes' backward after this one."""
+
+    @staticmethod
+    def forward(ctx, buf: DepthBuffers, r: int, *sources):
+        p = torch.softmax(buf.logits[:, : r + 1, r], dim=-1)  # (n, s)
+        buf.weights[:, r, : r + 1] = p
+        a = torch.bmm(p.unsqueeze(1), buf.values[:, : r + 1]).squeeze(1)  # (n, d)
+        ctx.buf, ctx.r, ctx.n_sources = buf, r, len(sources)
+        return a.view(buf.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da):
+        buf, r = ctx.buf, ctx.r
+        n, S, d = buf.values.shape
+        buf.backward_buffers()
+        with torch.autocast(buf.values.device.type, enabled=False):
+            da = da.reshape(n, d).to(buf.values.dtype)
+            buf.dreads[:, r] = da
+            p = buf.weights[:, r, : r + 1]
+            dp = torch.bmm(buf.values[:, : r + 1], da.unsqueeze(-1)).squeeze(-1)  # v_s · ∂a_r, (n, s)
+            buf.dlogits[:, : r + 1, r] = p * (dp - (p * dp).sum(-1, keepdim=True))
+        return (None, None) + (None,) * ctx.n_sources
+
+
 @register("attnres")
 class AttnRes(DepthMixer):
     """Full Attention Residuals: softmax over all earlier outputs with a learned pseudo-query per layer."""
@@ -61,22 +221,41 @@ class AttnRes(DepthMixer):
         # Layer 0 sees only the embedding, where a softmax over one source is 1 whatever its query: it has none.
         self.queries = nn.Parameter(torch.zeros(n_layers, d_model))
 
+    impl: Literal["fused", "reference"] = "fused"
+
     def init_state(self, e):
-        # Values and their normalized keys; each key is computed once, when its output is written.
-        return [e], [rms_normalize(e)]
+        if self.impl == "reference":
+            # Values and their normalized keys; each key is computed once, when its output is written.
+            return [e], [rms_normalize(e)]
+        buf = DepthBuffers(e, self.queries)
+        return buf, [FusedWrite.apply(e, self.queries, buf, 0)]
 
     def _read(self, state, reader: int):
-        values, keys = state
-        a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, values)
-        self.record("weights", reader, weights)
+        if self.impl == "reference":
+            values, keys = state
+            a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, values)
+            self.record("weights", reader, weights)
+            return a
+        buf, sources = state
+        if reader == 0:  # the embedding alone, with weight 1
+            self.record("weights", 0, sources[0].new_ones(*buf.shape[:2], 1, dtype=buf.values.dtype))
+            return sources[0].to(buf.values.dtype)
+        with torch.autocast(buf.values.device.type, enabled=False):
+            a = FusedRead.apply(buf, reader, *sources[: reader + 1])
+        if self.trace is not None:
+            self.record("weights", reader, buf.weights[:, reader, : reader + 1].reshape(*buf.shape[:2], -1))
         return a
 
     def read(self, state, layer):
         return self._read(state, layer)
 
     def write(self, state, layer, out):
-        values, keys = state
-        return values + [out], keys + [rms_normalize(out)]
+        if self.impl == "reference":
+            values, keys = state
+            return values + [out], keys + [rms_normalize(out)]
+        buf, sources = state
+        with torch.autocast(out.device.type, enabled=False):
+            return buf, sources + [FusedWrite.apply(out, self.queries, buf, layer + 1)]
 
     def read_head(self, state):
         return self._read(state, self.n_layers)

@@ -6,19 +6,22 @@ Layers are grouped into blocks of ``S`` consecutive layers; ``b_n`` is the sum o
 ``[b_0, ..., b_{n-1}]`` plus the partial sum of its own block so far, when it has one (``i > 0``). The head reads
 every completed block and the last partial one with its own pseudo-query. The carried state shrinks from
 ``L + 1`` to about ``L / S + 1`` vectors per token; ``S = 1`` is full AttnRes. Pseudo-queries start at zero
-(uniform weights), the key RMSNorm has no gain, as in ``attnres``. Axes: b batch, t time, d width, s source.
+(uniform weights), the key RMSNorm has no gain, as in ``attnres``. ``mixer.impl``: ``fused`` (the default) reads
+through ``DepthAttention``, ``reference`` stacks the sources as the formula reads; tests/test_fast_paths.py holds
+them equal in float64. Axes: b batch, t time, d width, s source.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from harness.registry import knob
-from variants.attnres import depth_attention, mix_dtype, rms_normalize
+from variants.attnres import depth_attention, depth_attention_fused, mix_dtype, rms_normalize
 from variants.base import DepthMixer, register
 
 
@@ -46,11 +49,15 @@ class AttnResBlock(DepthMixer):
         # (completed block sums, their normalized keys, partial sum of the current block or None)
         return [e], [rms_normalize(e)], None
 
+    # ``fused`` reads through ``DepthAttention`` (no stacked copies saved per read); ``reference`` stacks.
+    impl: Literal["fused", "reference"] = "fused"
+
     def _read(self, state, reader: int):
         blocks, keys, partial = state
         if partial is not None:
             blocks, keys = blocks + [partial], keys + [rms_normalize(partial)]
-        a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, blocks)
+        attend = depth_attention if self.impl == "reference" else depth_attention_fused
+        a, weights = attend(self.queries[reader - 1] if reader else None, keys, blocks)
         self.record("weights", reader, weights)
         return a
 

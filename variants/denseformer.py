@@ -7,16 +7,21 @@ After transformer block ``i`` a depth-weighted average (DWA) replaces the residu
 block, the head's. The ``α`` are static learned scalars initialized to the identity (``α_{i,i} = 1``, else 0),
 so at the start this is PreLN exactly. Our layers are sublayers, so as in the paper the DWA runs after each
 block, i.e. after every second layer (attention, MLP); a trailing odd layer counts as a block of its own. The
-paper's dilation and period options (sparser DWA) are not implemented. Axes: b batch, t time, d width,
+paper's dilation and period options (sparser DWA) are not implemented. ``mixer.impl``: ``fused`` (the default)
+computes each DWA with ``WeightedAverage``, whose backward keeps nothing but the block outputs the state holds
+anyway; ``reference`` stacks them as the formula reads (autograd then saves a fresh (b, t, d, s) stack per DWA,
+O(L²·d) floats per token). tests/test_fast_paths.py holds them equal in float64. Axes: b batch, t time, d width,
 s source.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer, register
 
@@ -24,6 +29,27 @@ from variants.base import DepthMixer, register
 def mix_dtype(x: torch.Tensor) -> torch.dtype:
     """At least float32 for mixing weights, never below the input precision (float64 stays float64)."""
     return torch.promote_types(x.dtype, torch.float32)
+
+
+class WeightedAverage(torch.autograd.Function):
+    """``Y = Σ_j α_j X_j``: ``apply(alpha, *outputs)`` with ``alpha`` (s,) and outputs (b, t, d), one precision."""
+
+    @staticmethod
+    def forward(ctx, alpha, *outputs):
+        y = outputs[0] * alpha[0]
+        for j in range(1, len(outputs)):
+            y.addcmul_(outputs[j], alpha[j])
+        ctx.save_for_backward(alpha, *outputs)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        alpha, *outputs = ctx.saved_tensors
+        dy = dy.contiguous()
+        flat = dy.reshape(-1)
+        dalpha = torch.stack([x.reshape(-1) @ flat for x in outputs]) if ctx.needs_input_grad[0] else None
+        return dalpha, *[dy * alpha[j] if ctx.needs_input_grad[1 + j] else None for j in range(len(outputs))]
 
 
 @register("denseformer")
@@ -40,6 +66,8 @@ class DenseFormer(DepthMixer):
         # alphas[i] weighs X_0 .. X_{i+1} after block i + 1: the identity, i.e. all weight on the newest.
         self.alphas = nn.ParameterList(
             nn.Parameter(torch.cat([torch.zeros(i + 1), torch.ones(1)])) for i in range(self.n_dwa))
+
+    impl: Literal["fused", "reference"] = "fused"
 
     def ends_block(self, layer: int) -> bool:
         """Whether a DWA follows ``layer`` (every MLP, and a trailing lone layer)."""
@@ -61,8 +89,10 @@ class DenseFormer(DepthMixer):
         dt = mix_dtype(x)
         alpha = self.alphas[len(outputs) - 2].to(dt)
         with torch.autocast(x.device.type, enabled=False):
-            stacked = torch.stack([X.to(dt) for X in outputs], dim=-1)  # (b, t, d, s)
-            return (stacked * alpha).sum(-1), outputs
+            if self.impl == "reference":
+                stacked = torch.stack([X.to(dt) for X in outputs], dim=-1)  # (b, t, d, s)
+                return (stacked * alpha).sum(-1), outputs
+            return WeightedAverage.apply(alpha, *[X.to(dt) for X in outputs]), outputs
 
     def read_head(self, state):
         return state[0]

@@ -64,11 +64,50 @@ def add_parser(sub):
     p.add_argument("--out", default="results/bench", help="folder for bench.csv and the plot")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny preset, one depth, one repeat (explicit flags still win)")
+    p.add_argument("--no-references", action="store_true",
+                   help="skip timing each variant against the straightforward implementation of its own math")
+    p.add_argument("--require-quiet", action="store_true",
+                   help="refuse to start on a busy machine, and write nothing if it became busy (reference numbers)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
+    loop = p.add_argument_group("training loop (--loop)")
+    loop.add_argument("--loop", action="store_true",
+                      help="instead: tokens/s of depthmem train against a bare PyTorch loop on the same work "
+                           "(default variants preln,ldm-rls)")
+    loop.add_argument("--steps", type=int, default=51, help="optimizer steps per loop (default: 51)")
+    loop.add_argument("--log-every", type=int, default=10, help="harness logging interval (default: 10)")
+    loop.add_argument("--val-every", type=int, default=50, help="harness validation interval (default: 50)")
+    loop.add_argument("--val-batches", type=int, default=3, help="batches per validation (default: 3)")
+    loop.add_argument("--ckpt-every", type=int, default=50, help="harness checkpoint interval (default: 50)")
     return p
 
 
+def run_loop(args) -> int:
+    from harness import loop_bench as LB
+
+    seqs = _int_list("--seq", args.seq) or [256]
+    if len(seqs) != 1:
+        raise UsageError(f"--loop takes one sequence length, got {args.seq!r}.")
+    settings = dict(variants=args.variants or ["preln", "ldm-rls"], preset=args.preset or "small",
+                    steps=args.steps, log_every=args.log_every, val_every=args.val_every,
+                    val_batches=args.val_batches, ckpt_every=args.ckpt_every, batch_size=args.batch_size or 8,
+                    seq_len=seqs[0], seed=args.seed, threads=args.threads, out_dir=args.out)
+    if args.dry_run:
+        for key, value in settings.items():
+            print(f"{key}: {value}")
+        return 0
+    df = LB.loop_bench(**settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(f"harness (depthmem train) against a bare loop, steps 2..{args.steps}: harness_cost = harness time / "
+          "mean time of the bare runs before and after it - 1")
+    print(LB.format_table(df))
+    if df["busy"].any():
+        print("\nthe machine was busy during a row marked busy: its numbers are not reference numbers")
+    print(f"\nwrote {args.out}/loop_bench.csv")
+    return 0
+
+
 def run(args) -> int:
+    if args.loop:
+        return run_loop(args)
     from harness import benchmark as B
 
     settings = dict(preset="small", depths=None, seqs=[256], batch_size=8, repeats=5, warmup=2)
@@ -80,7 +119,8 @@ def run(args) -> int:
     settings.update({k: v for k, v in given.items() if v is not None})
     settings.update(variants=args.variants, widths=_int_list("--widths", args.widths), device=args.device,
                     dtype=args.dtype, vocab=args.vocab, threads=args.threads, steps_per_repeat=args.steps_per_repeat,
-                    seed=args.seed, out_dir=args.out)
+                    seed=args.seed, out_dir=args.out, references=not args.no_references,
+                    require_quiet=args.require_quiet)
     if args.dry_run:
         settings["variants"] = B.resolve_variants(args.variants)
         for key, value in settings.items():
@@ -93,8 +133,12 @@ def run(args) -> int:
           f"batch {meta['batch_size']}, vocab {meta['vocab_size']}, repeats {meta['repeats']} "
           f"(median; ratio against the mean of the two preln steps around each), warm-up {meta['warmup']}; "
           f"load average {meta['loadavg_before']} -> {meta['loadavg_after']} on {meta['cpu_count']} CPUs")
+    if meta["busy"]:
+        print("BUSY: other work competed for the cores during this run (load average above); its ratios are "
+              "guidance, not reference numbers")
     print(f"memory: {meta['memory_method']}; floor_time_ratio = 1 + extra FLOPs / model FLOPs per token; "
-          f"state_B_per_tok = stream floats x 4 bytes")
+          f"state_B_per_tok = stream floats x 4 bytes; ratio_*_vs_ref = this implementation over the "
+          f"straightforward one of the same math (ref_impl; preln: the plain pre-norm trunk)")
     print(B.format_table(df))
     print()
     for line in B.scaling_lines(B.scaling(df)):
