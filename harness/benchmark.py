@@ -498,6 +498,10 @@ def bench(variants: Sequence[str] | None = None, *, preset: str = "small", depth
         raise UsageError(f"Unknown device {device!r}: allowed values are {', '.join(DEVICES)}.")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
+    if out_dir is not None:
+        from harness.io import writable_dir
+
+        writable_dir(out_dir, "benchmark output folder")  # before the measurements, not after them
     dev = torch.device(device)
 
     import variants as registry

@@ -38,7 +38,10 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
     """The checkpoint dictionary (tensors on CPU), or a usage error when the file is truncated or corrupt."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, KeyError) as e:
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, KeyError, OSError) as e:
+        # A zip cut short inside its directory makes the reader seek before the file's start (EINVAL).
         raise UsageError(f"The checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}); "
                          "use an earlier checkpoint or train again.") from None
 

@@ -7,6 +7,7 @@ Errors a user can fix end with one sentence on standard error and a non-zero exi
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -77,7 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except OSError as e:
         # A file the system refused (no space, no permission, a path through a file): the user's to fix.
-        if debug or not e.filename:
+        if debug:
+            raise
+        if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            where = f" writing {str(e.filename)!r}" if e.filename else ""
+            sys.stderr.write(f"depthmem: no space left on the device{where}; free some space or write elsewhere, "
+                             "then run the same command again.\n")
+            return 1
+        if not e.filename:
             raise
         sys.stderr.write(f"depthmem: the file system refused {str(e.filename)!r} ({e.strerror or e}); "
                          "check that its folder exists and is writable.\n")

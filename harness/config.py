@@ -8,7 +8,10 @@ merging; this module turns its errors into one sentence.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -44,8 +47,9 @@ class ModelConfig:
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("the attention head width (d_model / n_heads) must be even for RoPE")
-        if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_theta <= 0:
-            raise ValueError("model.norm_eps, model.init_std and model.rope_theta must be positive")
+        if not all(0 < v < math.inf for v in (self.norm_eps, self.init_std, self.rope_theta)):
+            raise ValueError("model.norm_eps, model.init_std and model.rope_theta must be positive finite numbers, "
+                             f"got {self.norm_eps}, {self.init_std} and {self.rope_theta}")
 
     @property
     def n_layers(self) -> int:
@@ -91,6 +95,15 @@ class DataConfig:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.tokenizer not in ("auto", "gpt2", "bpe"):
             raise ValueError(f"data.tokenizer must be one of auto, gpt2, bpe, got {self.tokenizer!r}")
+
+
+# Lightning's precision names (its ``_PRECISION_INPUT_STR`` and aliases) and ours, ``auto``; kept here so a config
+# is checked without importing Lightning.
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true", "transformer-engine",
+              "transformer-engine-float16", "32", "16", "64", "bf16")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+MAX_SEED = 2**32 - 1
+"""The largest seed Lightning's ``seed_everything`` takes."""
 
 
 @dataclass(kw_only=True)
@@ -148,13 +161,32 @@ class TrainConfig:
         for name in ("seq_len", "max_steps", "tokens", "warmup_steps", "val_batches", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be zero or positive, got {getattr(self, name)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"train.seed must be an integer from 0 to {MAX_SEED}, got {self.seed}")
+        # Written as "not in range" so that nan, which fails every comparison, fails these too.
         if self.max_steps and self.tokens:
             raise ValueError(f"train.max_steps ({self.max_steps}) and train.tokens ({self.tokens}) both fix the "
                              "budget; set one of them and leave the other 0")
-        if not self.tokens_per_param > 0:
+        if not 0 < self.tokens_per_param < math.inf:
             raise ValueError(f"train.tokens_per_param must be a positive number, got {self.tokens_per_param}")
-        if self.lr <= 0:
+        if not 0 < self.lr < math.inf:
             raise ValueError(f"train.lr must be positive, got {self.lr}")
+        if not self.max_grad_norm_diverge > 0:  # inf is allowed: never stop on the gradient norm alone
+            raise ValueError(f"train.max_grad_norm_diverge must be positive, got {self.max_grad_norm_diverge}")
+        for name in ("weight_decay", "grad_clip"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"train.{name} must be zero or a positive finite number, got {getattr(self, name)}")
+        for name in ("min_lr_ratio", "decay_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"train.{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if str(self.precision) not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+                             f"{did_you_mean(self.precision, PRECISIONS)}")
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"train.accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"train.schedule must be cosine or wsd, got {self.schedule!r}")
         if self.logger not in ("csv", "tensorboard", "wandb"):
@@ -169,6 +201,12 @@ class EvalConfig:
     """Suite or task names; empty skips evaluation."""
     limit: Optional[int] = None
     batch_size: int = 16
+
+    def __post_init__(self):
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"eval.limit must be a positive number of documents per task, got {self.limit}")
+        if self.batch_size < 1:
+            raise ValueError(f"eval.batch_size must be a positive integer, got {self.batch_size}")
 
 
 @dataclass(kw_only=True)
@@ -186,6 +224,15 @@ class SlurmConfig:
     mem_gb: float = 4.0
     setup: list[str] = field(default_factory=list)
 
+    def __post_init__(self):
+        for name in ("time_min", "nodes", "tasks_per_node", "cpus_per_task"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"slurm.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.gpus_per_node < 0:
+            raise ValueError(f"slurm.gpus_per_node must be zero or more, got {self.gpus_per_node}")
+        if not 0 < self.mem_gb < math.inf:
+            raise ValueError(f"slurm.mem_gb must be a positive number, got {self.mem_gb}")
+
 
 @dataclass(kw_only=True)
 class RunConfig:
@@ -201,12 +248,31 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
+    def __post_init__(self):
+        if not str(self.variant).strip():
+            raise ValueError("variant is empty: name a depth mixer from `depthmem variants`, e.g. preln")
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # What dataclasses.asdict gives, without its deep copy of every scalar, which dominated the expansion of
+        # large grids: the sections hold only scalars and lists of strings, so copying the lists is enough.
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                out[f.name] = {k: (_copied(v) if type(v) in (list, dict) else v) for k, v in vars(value).items()}
+            else:
+                out[f.name] = _copied(value)
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
         return build_config(d, source=source)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, list) and all(isinstance(v, (str, int, float, bool)) for v in value):
+        return list(value)
+    return copy.deepcopy(value) if isinstance(value, (list, dict)) else value
 
 
 def _suggest(key: str, node) -> str:
@@ -222,6 +288,11 @@ def build_config(*layers: dict[str, Any] | list[str], source: str = "config") ->
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    for layer in layers:
+        for item in layer if isinstance(layer, (list, tuple)) else ():
+            if "=" not in str(item) or not str(item).split("=", 1)[0].strip():
+                raise UsageError(f"The override {str(item)!r} in {source} is not KEY=VALUE: write it as "
+                                 f"{str(item).strip('=') or 'train.lr'}=VALUE, e.g. --set train.lr=1e-3.")
     try:
         confs = [OmegaConf.from_dotlist(list(x)) if isinstance(x, (list, tuple)) else OmegaConf.create(x or {})
                  for x in layers]
@@ -246,6 +317,105 @@ def build_config(*layers: dict[str, Any] | list[str], source: str = "config") ->
         raise UsageError(f"Bad value in {source}: {e}.") from None
 
 
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "slurm": SlurmConfig}
+
+
+class _Unsure(Exception):
+    """The fast path cannot vouch for this config; ``build_config`` decides (and words any error)."""
+
+
+def _flat(layer: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in layer.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, name + "."))
+        elif isinstance(value, dict):
+            continue  # an empty mapping changes nothing in a merge
+        else:
+            out[name] = value
+    return out
+
+
+class ConfigBuilder:
+    """Many RunConfigs that share their lower layers, as ``build_config`` would build them, but fast.
+
+    OmegaConf's typed merge costs tens of milliseconds per config, so a grid of 10^4 runs would take minutes. A
+    grid repeats a few values in many combinations, so each distinct (key, value) is typed once by OmegaConf's own
+    value nodes (the same conversions its merge applies) and every config is then built from plain dataclasses,
+    whose ``__post_init__`` checks run as usual. Whatever this path cannot vouch for (unknown keys, interpolation,
+    a value that does not convert, a field check that fails) goes through ``build_config``, which gives the same
+    config or the same error.
+    """
+
+    def __init__(self, *layers: dict[str, Any], source: str = "config"):
+        self.layers = [dict(x or {}) for x in layers]
+        self.source = source
+        self.flat: dict[str, Any] = {}
+        for layer in self.layers:
+            self.flat.update(_flat(layer))
+        self._typed: dict[tuple, Any] = {}
+        self._hints = {name: typing.get_type_hints(cls) for name, cls in _SECTIONS.items()}
+        self._hints[""] = {"name": str, "variant": str}
+
+    def build(self, *layers: dict[str, Any], source: str | None = None) -> RunConfig:
+        flat = dict(self.flat)
+        for layer in layers:
+            flat.update(_flat(layer or {}))
+        try:
+            return self._fast(flat)
+        except _Unsure:
+            return build_config(*self.layers, *layers, source=source or self.source)
+
+    def _type(self, key: str, value: Any) -> Any:
+        memo = (key, type(value).__name__, repr(value))
+        if memo in self._typed:
+            return self._typed[memo]
+        section, _, name = key.rpartition(".")
+        hint = self._hints.get(section, {}).get(name)
+        if hint is None or "." in section:
+            raise _Unsure
+        if isinstance(value, str) and ("${" in value or value == "???"):
+            raise _Unsure  # interpolation and missing values are OmegaConf's to resolve
+        from omegaconf import ListConfig, OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+        from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
+
+        nodes = {int: IntegerNode, float: FloatNode, str: StringNode, bool: BooleanNode}
+        optional = typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
+        if optional:
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        try:
+            if hint in nodes:
+                typed = nodes[hint](value, is_optional=optional)._value()
+            elif typing.get_origin(hint) is list and typing.get_args(hint) == (str,) and isinstance(value, list):
+                typed = OmegaConf.to_container(ListConfig(value, element_type=str))
+            else:
+                raise _Unsure
+        except OmegaConfBaseException:
+            raise _Unsure from None
+        if typed is None and not optional:
+            raise _Unsure
+        self._typed[memo] = typed
+        return typed
+
+    def _fast(self, flat: dict[str, Any]) -> RunConfig:
+        typed = {k: self._type(k, v) for k, v in flat.items()}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        top: dict[str, Any] = {}
+        for key, value in typed.items():
+            section, _, name = key.rpartition(".")
+            (parts[section] if section else top)[name] = copy.deepcopy(value) if isinstance(value, list) else value
+        preset = parts["model"].get("preset", "tiny")
+        if preset not in PRESETS:
+            raise _Unsure
+        try:
+            return RunConfig(**top, model=ModelConfig(**{**PRESETS[preset], **parts["model"], "preset": preset}),
+                             **{name: cls(**parts[name]) for name, cls in _SECTIONS.items() if name != "model"})
+        except (TypeError, ValueError):
+            raise _Unsure from None
+
+
 def read_yaml(path: str | Path, what: str = "config file") -> Any:
     """The parsed YAML of ``path``; a missing file or malformed YAML is a one-sentence ``UsageError`` (with line)."""
     import yaml
@@ -253,8 +423,20 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
     path = Path(path)
     if not path.exists():
         raise UsageError(f"The {what} {str(path)!r} does not exist.")
+    if path.is_dir():
+        raise UsageError(f"The {what} {str(path)!r} is a folder; give the path of a YAML or JSON file.")
     try:
-        return yaml.safe_load(path.read_text())
+        raw = path.read_bytes()
+    except PermissionError:
+        raise UsageError(f"The {what} {str(path)!r} cannot be read: permission denied.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UsageError(f"The {what} {str(path)!r} is not UTF-8 text (byte {raw[e.start]:#04x} at line {line}); "
+                         "save it as UTF-8.") from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

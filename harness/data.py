@@ -23,7 +23,8 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from harness.errors import UsageError
-from harness.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json, writable_dir
+from harness.io import (DamagedFile, atomic_write_bytes, atomic_write_json, atomic_write_text, read_json,
+                        remove_stale_temps, writable_dir)
 
 EMBEDDED = ("shakespeare",)
 INDEX_FORMAT = "depthmem-shards/1"
@@ -85,11 +86,12 @@ def read_index(shard_dir: str | os.PathLike) -> dict:
     path = Path(shard_dir) / "index.json"
     try:
         index = read_json(path)
-    except json.JSONDecodeError:
-        raise UsageError(f"{path} is not valid JSON: prepare the shard folder again.") from None
+    except DamagedFile as e:
+        raise UsageError(f"{path} is not valid JSON ({e.reason}): prepare the shard folder again.") from None
     if index is None:
         raise UsageError(f"The shard folder {str(shard_dir)!r} has no index.json: make it with depthmem prepare.")
-    if index.get("format") != INDEX_FORMAT:
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
+        index = index if isinstance(index, dict) else {}
         raise UsageError(f"{path} is not a depthmem shard index (format {index.get('format')!r}, "
                          f"expected {INDEX_FORMAT!r}).")
     return index
@@ -254,27 +256,60 @@ def _is_local(path: str) -> bool:
     return Path(path).exists() or os.sep in path or path.startswith(".")
 
 
+def _decode(raw: bytes, where: str) -> str:
+    """``raw`` as UTF-8 text, or a usage error that says where it is not."""
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise UsageError(f"{where} holds binary data (a NUL byte at offset {nul}), not text; "
+                         "prepare takes UTF-8 text, .jsonl or .parquet files.")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UsageError(f"{where} is not UTF-8 text (byte {raw[e.start]:#04x} at line {line}); convert it first, "
+                         "e.g. iconv -f latin1 -t utf-8.") from None
+
+
+def _text_of(value, where: str, text_field: str) -> str:
+    """A record's text; anything but a string (null, a number, a list) is refused rather than turned into one."""
+    if isinstance(value, str):
+        return value
+    shown = "null" if value is None else type(value).__name__
+    raise UsageError(f"{where} has {shown} as its {text_field!r}, not text; remove the record or choose another "
+                     "field with --text-field.")
+
+
 def _documents(path: str, text_field: str, split: str, config: str | None = None) -> Iterator[str]:
     """Documents of one input: a text file is one document, JSONL and Parquet one per record; a folder or a name
     that is not a file is opened as a Hugging Face dataset (a local folder laid out like one works offline)."""
     p = Path(path)
     if p.is_file():
+        if p.stat().st_size == 0:
+            raise UsageError(f"The input {path!r} is empty: there is nothing in it to prepare.")
         if p.suffix in (".jsonl", ".json") or p.name.endswith(".jsonl.gz"):
             import gzip
 
             opener = gzip.open if p.suffix == ".gz" else open
-            with opener(p, "rt", encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
+            records = 0
+            with opener(p, "rb") as f:
+                for n, raw in enumerate(f, 1):
+                    line = _decode(raw, f"Line {n} of {p}")
                     if not line.strip():
                         continue
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError:
                         raise UsageError(f"Line {n} of {p} is not valid JSON.") from None
+                    if not isinstance(record, dict):
+                        raise UsageError(f"Line {n} of {p} holds a {type(record).__name__}, not a JSON object with "
+                                         f"a {text_field!r} field.")
                     if text_field not in record:
                         raise UsageError(f"Line {n} of {p} has no field {text_field!r}; choose it with --text-field "
                                          f"(fields there: {', '.join(record)}).")
-                    yield str(record[text_field])
+                    records += 1
+                    yield _text_of(record[text_field], f"Line {n} of {p}", text_field)
+            if not records:
+                raise UsageError(f"The input {path!r} holds no JSON records: there is nothing in it to prepare.")
         elif p.suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -285,7 +320,10 @@ def _documents(path: str, text_field: str, split: str, config: str | None = None
             for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
                 yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
         else:
-            yield p.read_text(encoding="utf-8", errors="replace")
+            text = _decode(p.read_bytes(), f"The input {path!r}")
+            if not text.strip():
+                raise UsageError(f"The input {path!r} holds only white space: there is nothing in it to prepare.")
+            yield text
         return
     if not p.is_dir() and _is_local(path):
         raise UsageError(f"The input {path!r} is not a readable file (text, .jsonl or .parquet).")
@@ -308,7 +346,7 @@ def _hub_documents(name: str, text_field: str, split: str, config: str | None = 
         if text_field not in record:
             raise UsageError(f"Dataset {what} has no field {text_field!r}; choose it with --text-field "
                              f"(fields there: {', '.join(record)}).")
-        yield str(record[text_field])
+        yield _text_of(record[text_field], f"A record of the dataset {what}", text_field)
 
 
 def _batched(items: Iterator[str], n: int) -> Iterator[list[str]]:
@@ -366,6 +404,8 @@ def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2
         p = Path(path)
         if not p.is_file() and not p.is_dir() and _is_local(path):
             raise UsageError(f"The input {path!r} is not a readable file (text, .jsonl or .parquet).")
+        if p.is_file() and p.stat().st_size == 0:
+            raise UsageError(f"The input {path!r} is empty: there is nothing in it to prepare.")
     bpe_size = _bpe_size(tokenizer)
     if preset is not None:  # before any work: will the model this corpus is for fit its tokenizer?
         from harness.config import model_preset
@@ -378,6 +418,7 @@ def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2
                              f"{vocab}: train on this corpus with model.vocab_size={size}, or prepare it with "
                              f"--tokenizer bpe:{vocab}.")
     out = writable_dir(out, "shard folder")
+    remove_stale_temps(out)
     if tokenizer == "gpt2":
         tok, tok_ref = tokenizers.gpt2(), "gpt2"
     elif bpe_size:
@@ -419,33 +460,33 @@ def prepare(inputs: list[str], out: str | os.PathLike, *, tokenizer: str = "gpt2
         atomic_write_json(out / STATE_FILE, state)
         pending, pending_tokens, pending_docs = [], 0, 0
 
-    bar = tqdm(desc="tokenizing", total=max_tokens, initial=done_tokens, unit=" tok", unit_scale=True,
-               disable=not progress)
-    full = max_tokens is not None and done_tokens >= max_tokens
-    for i, path in enumerate(inputs):
-        if full:
-            break
-        docs = _documents(path, text_field, split, config)
-        for _ in range(consumed[i]):  # what finished shards already hold
-            if next(docs, None) is None:
-                break
-        for texts in _batched(docs, 256):
-            for ids in tok.encode_batch(texts):
-                # Documents never straddle shards, so a shard boundary is always a document boundary.
-                pending.append(np.asarray(ids + [tok.eot_id], dtype=dtype))
-                pending_tokens += len(ids) + 1
-                pending_docs += 1
-                seen[i] += 1
-                bar.update(len(ids) + 1)
-                full = max_tokens is not None and done_tokens + pending_tokens >= max_tokens
-                if pending_tokens >= shard_tokens or full:
-                    done_tokens += pending_tokens
-                    flush()
-                if full:
-                    break
+    # Closed on errors too, so that a message about a bad input starts on a line of its own.
+    with tqdm(desc="tokenizing", total=max_tokens, initial=done_tokens, unit=" tok", unit_scale=True,
+              disable=not progress) as bar:
+        full = max_tokens is not None and done_tokens >= max_tokens
+        for i, path in enumerate(inputs):
             if full:
                 break
-    bar.close()
+            docs = _documents(path, text_field, split, config)
+            for _ in range(consumed[i]):  # what finished shards already hold
+                if next(docs, None) is None:
+                    break
+            for texts in _batched(docs, 256):
+                for ids in tok.encode_batch(texts):
+                    # Documents never straddle shards, so a shard boundary is always a document boundary.
+                    pending.append(np.asarray(ids + [tok.eot_id], dtype=dtype))
+                    pending_tokens += len(ids) + 1
+                    pending_docs += 1
+                    seen[i] += 1
+                    bar.update(len(ids) + 1)
+                    full = max_tokens is not None and done_tokens + pending_tokens >= max_tokens
+                    if pending_tokens >= shard_tokens or full:
+                        done_tokens += pending_tokens
+                        flush()
+                    if full:
+                        break
+                if full:
+                    break
     flush()
     if not shards:
         raise UsageError("The inputs hold no documents, so there is nothing to prepare.")

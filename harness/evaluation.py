@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from harness.errors import UsageError, did_you_mean
-from harness.io import atomic_write_json, atomic_write_text, read_json, writable_dir
+from harness.io import atomic_write_json, atomic_write_text, read_json, remove_stale_temps, writable_dir
 from harness.tasks import KNOWN_NAMES, SUITE, TASKS_DIR, is_offline_name
 
 TABLE_COLUMNS = ("task", "metric", "value", "stderr")
@@ -126,10 +126,10 @@ def evaluate(run_dir_or_ckpt: str | os.PathLike, tasks: str | Iterable[str], *, 
     if not path.exists():
         raise UsageError(f"{str(path)!r} does not exist: give a run directory or a .ckpt file.")
     names = parse_tasks(tasks)
-    if limit is not None and not limit > 0:
-        raise UsageError(f"limit must be a positive number of documents per task, got {limit!r}.")
+    check_options(limit=limit, batch_size=batch_size, bootstrap_iters=bootstrap_iters)
     out = Path(out_dir) if out_dir else run_directory(path) / "eval"
     writable_dir(out, "evaluation output folder")  # before the evaluation, not after it
+    remove_stale_temps(out)
     from harness.lm_adapter import DepthmemLM
 
     lm = DepthmemLM(checkpoint=str(path), batch_size=batch_size, device=device)
@@ -145,6 +145,17 @@ def evaluate(run_dir_or_ckpt: str | os.PathLike, tasks: str | Iterable[str], *, 
     record.update({name: {"limit": limit, "results": results_path.name} for name in names})
     atomic_write_json(out / "tasks.json", record)
     return results
+
+
+def check_options(*, limit: int | float | None, batch_size: int, bootstrap_iters: int) -> None:
+    """Options of an evaluation, checked before the model loads."""
+    if limit is not None and not limit > 0:
+        raise UsageError(f"limit must be a positive number of documents per task, got {limit!r}.")
+    if batch_size < 1:
+        raise UsageError(f"The batch size must be a positive integer, got {batch_size}.")
+    if bootstrap_iters < 0:
+        raise UsageError(f"The bootstrap iterations must be zero (no bootstrap stderrs) or a positive integer, "
+                         f"got {bootstrap_iters}.")
 
 
 def run_directory(path: Path) -> Path:

@@ -4,7 +4,7 @@ A grid file holds ``base`` (any ``RunConfig`` keys, nested or dotted), ``axes`` 
 crossed as a product), ``zip`` (groups of keys whose lists vary together, each group one more axis of the
 product), ``exclude`` (partial assignments whose matching combinations are dropped) and ``include`` (extra runs,
 each a set of overrides on the base). Optional ``name`` (default: the file's stem), ``profile`` (the default
-resource profile) and ``parallelism`` (most runs at once). Every run is built with ``build_config`` and its
+resource profile) and ``parallelism`` (most runs at once). Every run is built as ``build_config`` builds it and its
 variant checked against its model size before anything is submitted, so a bad grid fails as one sentence.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.config import RunConfig, build_config, read_yaml
+from harness.config import ConfigBuilder, RunConfig, read_yaml
 from harness.errors import UsageError, did_you_mean
 from harness.rundir import run_id
 
@@ -204,14 +204,17 @@ def expand(grid: Grid, *, defaults: dict[str, Any] | None = None) -> list[GridRu
     import variants
     from harness import budget
 
-    base = nest(grid.base)
+    builder = ConfigBuilder(nest(defaults or {}), nest(grid.base), source=grid.source)
     counted: dict = {}  # the baseline's parameter count per model size, built once
     runs: list[GridRun] = []
     seen: dict[str, dict[str, Any]] = {}
+    checked: set[tuple] = set()
     for overrides in combinations(grid):
         where = f"{grid.source} (run {_describe(overrides)})"
-        cfg = build_config(nest(defaults or {}), base, nest(overrides), {"name": grid.name}, source=where)
-        variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
+        cfg = builder.build(nest(overrides), {"name": grid.name}, source=where)
+        if (cfg.variant, cfg.model.d_model, cfg.model.n_layers) not in checked:
+            variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
+            checked.add((cfg.variant, cfg.model.d_model, cfg.model.n_layers))
         # One budget for every run of a model size: tokens per parameter of the baseline, not of each variant.
         cfg = budget.resolve(cfg, grid.baseline, cache=counted)
         rid = run_id(cfg, overrides)

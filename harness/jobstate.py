@@ -19,8 +19,8 @@ from typing import Any
 
 from harness.errors import UsageError
 from harness.grid import load_grid
-from harness.io import read_json
-from harness.rundir import axis_label, now_iso, read_status, write_status
+from harness.rundir import (DAMAGED, axis_label, now_iso, read_status, read_summary, read_sweep_record,
+                            write_status)
 
 # sacct states after which a job will not run again by itself.
 TERMINAL = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
@@ -177,7 +177,7 @@ def reconcile(sweep_dir: Path, rid: str, job_id: str | None, executor: str | Non
     resume_step = status.get("ckpt_step")
     row = {"run_id": rid, "state": state, "step": status.get("step"), "loss": status.get("last_loss"),
            "job_id": job_id or status.get("job_id"), "node": status.get("node"),
-           "reason": (status.get("message") or "") if state in ("failed", "diverged", "interrupted", "cancelled")
+           "reason": (status.get("message") or "") if state in ("failed", "diverged", "interrupted", "cancelled", DAMAGED)
            else "", "message": status.get("message") or "", "attempts": status.get("attempts"),
            "resume_step": resume_step, "total_steps": status.get("total_steps"), "eta_s": status.get("eta_s"),
            "job_active": False, "job_state": None}
@@ -241,7 +241,7 @@ def run_rows(sweep_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
         row["axes"] = dict(e.get("overrides") or {})
         for key, value in row["axes"].items():
             row.setdefault(key, value)
-        summary = read_json(sweep_dir / e["run_id"] / "summary.json", default={}) or {}
+        summary = read_summary(sweep_dir / e["run_id"])
         for key in ("val_loss", "val_bpb", "params", "tokens_per_s", "train_steps", "train_tokens"):
             row[key] = summary.get(key)
         rows.append(row)
@@ -260,7 +260,7 @@ def sweep_status(sweep: str | Path, root: str | Path | None = None) -> list[dict
     """One row per run: state, step, last loss, job id, node, why a run stopped and what to run next, the grid
     axes, and the final numbers."""
     sweep_dir = resolve_sweep_dir(sweep, root)
-    return run_rows(sweep_dir, read_json(sweep_dir / "sweep.json") or {})
+    return run_rows(sweep_dir, read_sweep_record(sweep_dir))
 
 
 def cancel(sweep: str | Path, root: str | Path | None = None) -> list[str]:
@@ -270,7 +270,7 @@ def cancel(sweep: str | Path, root: str | Path | None = None) -> list[str]:
     says it was cancelled (not merely interrupted) until it is submitted again.
     """
     sweep_dir = resolve_sweep_dir(sweep, root)
-    record = read_json(sweep_dir / "sweep.json") or {}
+    record = read_sweep_record(sweep_dir)
     note = f"cancelled by depthmem cancel ({now_iso()})"
     stopped: list[tuple[str, str, str]] = []
     for row in run_rows(sweep_dir, record):

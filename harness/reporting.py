@@ -22,7 +22,7 @@ from harness import report_items
 from harness import tables as tabs
 from harness.config import read_yaml
 from harness.errors import UsageError, did_you_mean
-from harness.io import atomic_write_text, writable_dir
+from harness.io import atomic_write_text, remove_stale_temps, writable_dir
 from harness.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
 
 TABLES = report_items.names("table")
@@ -162,6 +162,7 @@ def report(sweep_dir: str | Path, *, out_dir: str | Path | None = None,
                          "nothing to report.")
     out_dir = writable_dir(Path(out_dir) if out_dir is not None else sweep_dir, "report folder")
     table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
+    remove_stale_temps(out_dir, table_dir, figure_dir)
     notes = sweep.notes + notes
 
     tidy = aggregate(sweep)

@@ -33,11 +33,13 @@ from typing import Any
 
 from harness.config import RunConfig, build_config
 from harness.errors import UsageError
-from harness.io import atomic_write_json, read_json
+from harness.io import DamagedFile, atomic_write_json, read_json
 
 STATES = ("pending", "running", "done", "failed", "diverged", "interrupted", "cancelled")
 """``interrupted``: stopped by a signal (preemption, requeue, Ctrl-C) after saving a checkpoint, resumed by running
 the same command again; ``cancelled``: stopped by ``depthmem cancel`` or ``scancel``, resumed the same way."""
+DAMAGED = "damaged"
+"""The state read from a status.json that no longer parses; never written, the next write replaces the file."""
 PACKAGES = ("torch", "lightning", "lm_eval", "submitit", "transformers", "tokenizers", "tiktoken", "numpy",
             "pandas", "depthmem")
 
@@ -160,14 +162,103 @@ def write_config(run_dir: Path, cfg: RunConfig) -> None:
 
 def read_config(run_dir: Path) -> RunConfig:
     path = Path(run_dir) / "config.json"
-    data = read_json(path)
+    try:
+        data = read_json(path)
+    except DamagedFile as e:
+        raise UsageError(f"The run's {path} is damaged ({e.reason}); delete it and run the same command again "
+                         "(training writes it anew, and the checkpoint's own copy of the config still guards the "
+                         "resume).") from None
     if data is None:
         raise UsageError(f"{run_dir} holds no config.json: it is not a run directory.")
+    if not isinstance(data, dict):
+        raise UsageError(f"The run's {path} is damaged (it holds a {type(data).__name__}, not a mapping); delete it "
+                         "and run the same command again.")
     return build_config(data, source=str(path))
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:
-    return read_json(Path(run_dir) / "status.json", default={"state": "pending"})
+    """The run's status.json; one that no longer parses reads as state ``damaged`` with the reason."""
+    path = Path(run_dir) / "status.json"
+    try:
+        status = read_json(path, default={"state": "pending"})
+    except DamagedFile as e:
+        return {"state": DAMAGED, "message": f"status.json is damaged ({e.reason})"}
+    if not isinstance(status, dict) or not isinstance(status.get("state", "pending"), str):
+        return {"state": DAMAGED, "message": "status.json is damaged (it holds no state)"}
+    return status
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """The final numbers of a finished run; empty when there are none or summary.json no longer parses."""
+    try:
+        summary = read_json(Path(run_dir) / "summary.json", default={})
+    except DamagedFile:
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def read_metric_rows(path: Path, up_to_step: int) -> list[dict[str, str]]:
+    """Rows of a run's metrics.csv or layers.csv up to ``up_to_step``; lines that do not parse are dropped.
+
+    A resumed run rewrites the file from these rows, so a damaged line costs that line, never the run.
+    """
+    import csv
+    import io
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    if not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]  # a line whose append never finished is not a row
+    rows = []
+    try:
+        for row in csv.DictReader(io.StringIO(text.replace("\0", ""))):
+            try:
+                step = int(row.get("step") or "")
+            except (TypeError, ValueError):
+                continue
+            if step <= up_to_step and None not in row and None not in row.values():
+                rows.append(row)
+    except csv.Error:
+        pass  # a line the csv module cannot split ends the readable part of the file
+    return rows
+
+
+def read_sweep_record(sweep_dir: Path) -> dict[str, Any]:
+    """A sweep's sweep.json; when it no longer parses, its runs are listed from their run directories instead.
+
+    Job ids come from each run's status.json then; an array task id (``123_4``) means SLURM, any other a local
+    process, which is how submitit names them.
+    """
+    import sys
+
+    sweep_dir = Path(sweep_dir)
+    try:
+        record = read_json(sweep_dir / "sweep.json", default={})
+        if isinstance(record, dict) and isinstance(record.get("runs", []), list) \
+                and all(isinstance(e, dict) and "run_id" in e for e in record.get("runs", [])):
+            return record
+        reason = "it holds no list of runs"
+    except DamagedFile as e:
+        reason = e.reason
+    runs = []
+    for d in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
+        if not ((d / "config.json").exists() or (d / "status.json").exists()):
+            continue
+        status = read_status(d)
+        job_id = status.get("job_id")
+        entry: dict[str, Any] = {"run_id": d.name, "run_dir": d.name}
+        if job_id:
+            entry.update(job_id=str(job_id), executor="slurm" if "_" in str(job_id) else "local")
+        try:
+            entry["variant"] = read_config(d).variant
+        except UsageError:
+            pass
+        runs.append(entry)
+    sys.stderr.write(f"depthmem: warning: {sweep_dir / 'sweep.json'} is damaged ({reason}); the {len(runs)} "
+                     f"run(s) are listed from their folders, and the next submission writes it anew.\n")
+    return {"name": sweep_dir.name, "runs": runs, "submissions": []}
 
 
 def write_status(run_dir: Path, state: str, **fields: Any) -> dict[str, Any]:
@@ -175,6 +266,8 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> dict[str, Any]:
     if state not in STATES:
         raise ValueError(f"state must be one of {STATES}, got {state!r}")
     status = read_status(run_dir)
+    if status.get("state") == DAMAGED:
+        status = {}  # nothing in it can be trusted: the new status replaces it whole
     status.update(fields, state=state, updated=now_iso())
     atomic_write_json(Path(run_dir) / "status.json", status)
     return status

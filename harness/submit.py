@@ -29,11 +29,12 @@ from typing import Any
 
 from harness.errors import DepthmemError, UsageError
 from harness.grid import Grid, GridRun, axis_keys, expand, load_grid
-from harness.io import atomic_write_json, read_json
+from harness import preflight
+from harness.io import atomic_write_json, remove_stale_temps, writable_dir
 from harness.job import RunJob, pending_tasks
 from harness.jobstate import default_root, format_rows, run_rows, stop_local, sweep_status
 from harness.profiles import EXECUTORS, Profile, load_profile
-from harness.rundir import legacy_run_id, now_iso, read_status, write_config, write_status
+from harness.rundir import legacy_run_id, now_iso, read_status, read_sweep_record, write_config, write_status
 
 LOCAL_RUNS_WITHOUT_ASKING = 4
 """Most runs of a cluster grid (a profile with ``executor: slurm``) that run on this machine without ``--yes``."""
@@ -123,8 +124,8 @@ def plan(grid_file: str | Path, *, executor: str | None = None, profile: str | N
     sweep_dir = Path(root or default_root()) / grid.name
     p = Plan(grid, runs, prof, executor or prof.executor, sweep_dir,
              parallelism=parallelism or grid.parallelism or prof.array_parallelism, axes=axis_keys(grid))
-    p.warnings = _check_corpus(runs)
-    states = {row["run_id"]: row for row in run_rows(sweep_dir, read_json(sweep_dir / "sweep.json") or {})}
+    p.warnings = _check_corpus(runs) + preflight.for_executor([r.cfg for r in runs], p.executor)
+    states = {row["run_id"]: row for row in run_rows(sweep_dir, read_sweep_record(sweep_dir))}
     for r in runs:
         run_dir = sweep_dir / r.run_id
         if not run_dir.exists():
@@ -249,7 +250,8 @@ def sweep(grid_file: str | Path, *, executor: str | None = None, profile: str | 
         raise UsageError(f"{p.grid.source} is a cluster grid (profile {p.profile.name!r}) and {todo_count} runs "
                          f"would train on this machine; add --yes to run them here, or drop --executor local.")
     wait = (p.executor == "local") if wait is None else wait
-    p.sweep_dir.mkdir(parents=True, exist_ok=True)
+    writable_dir(p.sweep_dir, "sweep folder")
+    remove_stale_temps(p.sweep_dir)
     lock = filelock.FileLock(str(p.sweep_dir / ".sweep.lock"))
     try:
         lock.acquire(timeout=0)
@@ -293,12 +295,12 @@ def _migrate(p: Plan, log) -> None:
     """Rename run folders of the earlier id scheme (``<variant>-<hash>-s<seed>``) to the runs' current ids."""
     if not p.migrations:
         return
-    rows = {r["run_id"]: r for r in run_rows(p.sweep_dir, read_json(p.sweep_dir / "sweep.json") or {})}
+    rows = {r["run_id"]: r for r in run_rows(p.sweep_dir, read_sweep_record(p.sweep_dir))}
     for old in p.migrations.values():
         if rows.get(old, {}).get("job_active"):
             raise UsageError(f"The run folder {old} still has a job running under the earlier id scheme; wait "
                              f"for it to end (depthmem status {p.grid.name}) and submit again.")
-    record = read_json(p.sweep_dir / "sweep.json") or {}
+    record = read_sweep_record(p.sweep_dir)
     renamed = {old: new for new, old in p.migrations.items()}
     for new, old in p.migrations.items():
         os.rename(p.sweep_dir / old, p.sweep_dir / new)
@@ -331,7 +333,7 @@ def _announce(p: Plan, log) -> None:
 
 
 def _read_record(p: Plan) -> dict[str, Any]:
-    record = read_json(p.sweep_dir / "sweep.json") or {}
+    record = read_sweep_record(p.sweep_dir)
     old = {r["run_id"]: r for r in record.get("runs", [])}
     runs, todo = [], {r.run_id for r in p.to_submit()}
     for r in p.runs:

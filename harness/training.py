@@ -39,7 +39,8 @@ from harness import rundir
 from harness.budget import seq_len_of
 from harness.config import RunConfig
 from harness.errors import RunFailed, UsageError
-from harness.io import append_bytes, atomic_write_bytes, atomic_write_json, atomic_write_text, fsync_path, read_json
+from harness.io import (DiskFull, append_bytes, atomic_write_bytes, atomic_write_json, atomic_write_text,
+                        check_checkpoint_room, fsync_path, read_json, remove_stale_temps)
 from harness.memory import AllocatorPeak, CoreLoad, live_training_bytes
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
@@ -146,13 +147,7 @@ def _csv_text(columns: list[str], rows: list[dict], header: bool = True) -> str:
 
 def _read_rows(path: Path, up_to_step: int) -> list[dict]:
     """Rows of an earlier segment of this run, up to the step it is resumed from."""
-    if not path.exists():
-        return []
-    text = path.read_text()
-    if not text.endswith("\n"):
-        text = text[: text.rfind("\n") + 1]  # a line whose append never finished is not a row
-    return [r for r in csv.DictReader(io.StringIO(text, newline=""))
-            if r.get("step") and None not in r and None not in r.values() and int(r["step"]) <= up_to_step]
+    return rundir.read_metric_rows(path, up_to_step)
 
 
 class CsvLog:
@@ -770,6 +765,9 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     if resume_from is not None:
         resume_step = _check_resumable(resume_from, cfg, model)
     if rank0:
+        remove_stale_temps(run_dir, run_dir / "ckpt")  # what a killed write of this run left behind
+        # Weights and both AdamW moments in float32: the checkpoint's size, to the first digit.
+        check_checkpoint_room(ckpt_path, 12 * sum(p.numel() for p in model.parameters()))
         rundir.write_config(run_dir, cfg)
         rundir.write_env(run_dir)
         toklib.save_to_run(tok, run_dir)
@@ -807,15 +805,18 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         signal_name = ("SIGTERM" if isinstance(e, SIGTERMException)
                        else "Ctrl-C" if isinstance(e, KeyboardInterrupt) or trainer.interrupted else None)
         if rank0:
-            if signal_name:
-                rundir.write_status(run_dir, "interrupted", step=trainer.global_step, last_loss=files.last_loss,
-                                    ckpt_step=files.ckpt_step,
-                                    message=f"stopped by {signal_name} at step {trainer.global_step}; the last "
-                                            f"checkpoint is at step {files.ckpt_step}")
-            else:
-                rundir.write_status(run_dir, "failed", step=trainer.global_step, last_loss=files.last_loss,
-                                    message=f"failed: {type(e).__name__}: {e}; run the same command again to "
-                                            f"resume from the last checkpoint (step {files.ckpt_step})")
+            try:
+                if signal_name:
+                    rundir.write_status(run_dir, "interrupted", step=trainer.global_step, last_loss=files.last_loss,
+                                        ckpt_step=files.ckpt_step,
+                                        message=f"stopped by {signal_name} at step {trainer.global_step}; the last "
+                                                f"checkpoint is at step {files.ckpt_step}")
+                else:
+                    rundir.write_status(run_dir, "failed", step=trainer.global_step, last_loss=files.last_loss,
+                                        message=f"failed: {type(e).__name__}: {e}; run the same command again to "
+                                                f"resume from the last checkpoint (step {files.ckpt_step})")
+            except DiskFull:
+                pass  # the disk that refused the run's files refuses this one too; the error below says why
         if signal_name:
             raise RunFailed(f"Training was stopped by {signal_name} at step {trainer.global_step}; run the same "
                             f"command again to resume from step {files.ckpt_step}.") from None

@@ -27,8 +27,9 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from harness.evaluation import evaluate, parse_tasks, run_directory
+    from harness.evaluation import check_options, evaluate, parse_tasks, run_directory
 
+    check_options(limit=args.limit, batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)
     if args.dry_run:
         from pathlib import Path
 

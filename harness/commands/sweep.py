@@ -28,7 +28,8 @@ def add_parser(sub):
     p.add_argument("--wandb-project", metavar="NAME", help="W&B project for train.logger=wandb (default: the sweep "
                                                            "name)")
     p.add_argument("--yes", action="store_true",
-                   help="run a cluster grid of more than a few runs on this machine without asking")
+                   help="run a cluster grid of more than a few runs on this machine, or submit a grid of more than "
+                        f"$DEPTHMEM_CONFIRM_RUNS runs (default {CONFIRM_RUNS}), without asking")
     p.add_argument("--dry-run", action="store_true",
                    help="print the runs and the resources requested, checking sbatch and the partition for "
                         "--executor slurm; submit nothing")
@@ -40,6 +41,40 @@ def add_parser(sub):
     p.add_argument("--results", "--results-dir", dest="results", metavar="DIR",
                    help="results root (default: $DEPTHMEM_RESULTS or ./results)")
     return p
+
+
+CONFIRM_RUNS = 1000
+"""Grids of more runs than this are submitted only with --yes (``DEPTHMEM_CONFIRM_RUNS`` changes it)."""
+
+
+def confirm_limit() -> int:
+    import os
+
+    from harness.errors import UsageError
+
+    text = os.environ.get("DEPTHMEM_CONFIRM_RUNS", "").strip()
+    if not text:
+        return CONFIRM_RUNS
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UsageError(f"DEPTHMEM_CONFIRM_RUNS must be a number of runs (0 or more), got {text!r}.")
+    return value
+
+
+def check_size(grid_file: str, yes: bool) -> None:
+    """Refuse, before anything is expanded or written, a grid larger than the limit unless --yes confirms it."""
+    from harness.errors import UsageError
+    from harness.grid import combinations, load_grid
+
+    limit = confirm_limit()
+    n = len(combinations(load_grid(grid_file)))
+    if n > limit and not yes:
+        raise UsageError(f"The grid {grid_file} expands to {n:,} runs, more than the {limit:,} a submission takes "
+                         "without confirmation: check it with --dry-run, then submit again with --yes "
+                         "(DEPTHMEM_CONFIRM_RUNS sets the limit).")
 
 
 RESULT_COLUMNS = ["state", "val_loss", "val_bpb", "params", "tokens_per_s", "reason"]
@@ -67,6 +102,7 @@ def run(args) -> int:
         if args.executor == "slurm":  # asked for explicitly: can this machine submit it, and is the partition known?
             check_executor(p.executor, p.profile)
         return 0
+    check_size(args.grid, args.yes)
     sub = sweep(args.grid, executor=args.executor, profile=args.profile, root=args.results,
                 retry_failed=args.retry_failed, wait=args.wait, parallelism=args.parallelism, yes=args.yes,
                 overrides=overrides)

@@ -43,14 +43,18 @@ def resolve(args):
     """The RunConfig the arguments describe: config file, then --preset/--variant, then the flags, then the
     KEY=VALUE overrides (``--set`` ones first)."""
     from harness.config import build_config, load_config
+    from harness.errors import UsageError
 
     layers: list = []
     if args.config:
-        import yaml
+        from harness.config import read_yaml
 
         load_config(args.config)  # validates the file, with its own error messages
-        with open(args.config) as f:
-            layers.append(yaml.safe_load(f) or {})
+        layers.append(read_yaml(args.config) or {})
+    for flag, value in (("--preset", args.preset), ("--variant", args.variant)):
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag} is empty: give a name (list them with `depthmem variants`), or leave the "
+                             "flag out for the config's own.")
     if args.preset:
         layers.append({"model": {"preset": args.preset}})
     if args.variant:
@@ -68,8 +72,14 @@ def resolve(args):
 def run(args) -> int:
     import variants
 
+    from harness import preflight
+    from harness.errors import UsageError
+
     cfg = resolve(args)
     variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
+    problems = preflight.here(cfg)
+    if problems:
+        raise UsageError(problems[0])
     if args.dry_run:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
