@@ -57,7 +57,7 @@ def sweep_cost(configs: Iterable[RunConfig], *, peak_tflops: float, utilisation:
 
 def describe_costs(runs, profile) -> str:
     """The dry run's cost block: one row per run, then the sweep's total and the hours each run takes."""
-    from harness.dispatch import format_rows
+    from harness.jobstate import format_rows
 
     costs = sweep_cost([r.cfg for r in runs], peak_tflops=profile.gpu_peak_tflops, utilisation=profile.utilisation)
     rows = [{"run_id": r.run_id, "params": f"{c['params'] / 1e6:,.1f}M", "steps": c["steps"],

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from harness.cli import main
 from harness.config import build_config
 from harness.costs import preln_flops_per_token
-from harness.dispatch import Profile
+from harness.profiles import Profile
 from harness.estimate import run_cost
 from harness.factory import build_model
 

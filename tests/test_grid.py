@@ -14,7 +14,8 @@ from harness.cli import main
 from harness.errors import UsageError
 from harness.grid import combinations, expand, load_grid, nest, parse_grid
 from harness.rundir import run_id, short_value
-from harness.dispatch import check_executor, load_profile, plan
+from harness.profiles import load_profile
+from harness.submit import check_executor, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 

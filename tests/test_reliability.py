@@ -99,7 +99,7 @@ def trained_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def finished_sweep(tmp_path_factory):
     """A two-run grid trained to the end by the local executor: (grid file, results root, run ids)."""
-    from harness.dispatch import sweep
+    from harness.submit import sweep
 
     tmp = tmp_path_factory.mktemp("sweep")
     grid = write(tmp / "pair.yaml", GRID.format(name="pair"))
