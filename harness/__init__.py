@@ -16,23 +16,23 @@ import importlib
 
 from harness.config import ModelConfig, RunConfig, build_config, load_config, model_preset
 from harness.errors import DepthmemError, RunFailed, UsageError
-from harness.factory import build_model
+from harness.model.factory import build_model
 
 __version__ = "0.1.0"
 
 # name -> module that defines it; resolved on first attribute access (PEP 562).
 _LAZY = {
-    "train": "harness.training",
-    "load_model": "harness.checkpoint",
-    "get_tokenizer": "harness.tokenizer",
-    "prepare": "harness.data",
-    "evaluate": "harness.evaluation",
-    "sweep": "harness.submit",
-    "expand_grid": "harness.grid",
-    "aggregate": "harness.results",
-    "report": "harness.reporting",
-    "bench": "harness.benchmark",
-    "cost_table": "harness.costs",
+    "train": "harness.training.trainer",
+    "load_model": "harness.training.checkpoint",
+    "get_tokenizer": "harness.data.corpus",
+    "prepare": "harness.data.corpus",
+    "evaluate": "harness.evaluation.evaluator",
+    "sweep": "harness.sweeps.submit",
+    "expand_grid": "harness.sweeps.grid",
+    "aggregate": "harness.reporting.results",
+    "report": "harness.reporting.report",
+    "bench": "harness.benchmarks.benchmark",
+    "cost_table": "harness.model.costs",
 }
 
 
@@ -45,6 +45,14 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ModelConfig", "RunConfig", "build_config", "load_config", "model_preset", "build_model",
-    "DepthmemError", "UsageError", "RunFailed", *_LAZY,
+    "ModelConfig",
+    "RunConfig",
+    "build_config",
+    "load_config",
+    "model_preset",
+    "build_model",
+    "DepthmemError",
+    "UsageError",
+    "RunFailed",
+    *_LAZY,
 ]

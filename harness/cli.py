@@ -15,7 +15,20 @@ import sys
 from harness.errors import DepthmemError
 
 # Listed by hand so the order of ``--help`` is deliberate and a missing module is an obvious error.
-COMMANDS = ["variants", "train", "prepare", "sweep", "status", "cancel", "eval", "lm_eval", "report", "bench", "selftest", "export"]
+COMMANDS = [
+    "variants",
+    "train",
+    "prepare",
+    "sweep",
+    "status",
+    "cancel",
+    "eval",
+    "lm_eval",
+    "report",
+    "bench",
+    "selftest",
+    "export",
+]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "lm-eval":
         args = argparse.Namespace(debug=False, command="lm-eval", rest=argv[1:])
         from harness.commands import lm_eval
+
         args._run = lm_eval.run
     else:
         args, extra = parser.parse_known_args(argv)
@@ -82,13 +96,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
             where = f" writing {str(e.filename)!r}" if e.filename else ""
-            sys.stderr.write(f"depthmem: no space left on the device{where}; free some space or write elsewhere, "
-                             "then run the same command again.\n")
+            sys.stderr.write(
+                f"depthmem: no space left on the device{where}; free some space or write elsewhere, "
+                "then run the same command again.\n"
+            )
             return 1
         if not e.filename:
             raise
-        sys.stderr.write(f"depthmem: the file system refused {str(e.filename)!r} ({e.strerror or e}); "
-                         "check that its folder exists and is writable.\n")
+        sys.stderr.write(
+            f"depthmem: the file system refused {str(e.filename)!r} ({e.strerror or e}); "
+            "check that its folder exists and is writable.\n"
+        )
         return 1
     except KeyboardInterrupt:
         sys.stderr.write("depthmem: interrupted.\n")

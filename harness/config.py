@@ -14,7 +14,7 @@ import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from harness.errors import UsageError, did_you_mean
 
@@ -48,8 +48,10 @@ class ModelConfig:
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("the attention head width (d_model / n_heads) must be even for RoPE")
         if not all(0 < v < math.inf for v in (self.norm_eps, self.init_std, self.rope_theta)):
-            raise ValueError("model.norm_eps, model.init_std and model.rope_theta must be positive finite numbers, "
-                             f"got {self.norm_eps}, {self.init_std} and {self.rope_theta}")
+            raise ValueError(
+                "model.norm_eps, model.init_std and model.rope_theta must be positive finite numbers, "
+                f"got {self.norm_eps}, {self.init_std} and {self.rope_theta}"
+            )
 
     @property
     def n_layers(self) -> int:
@@ -88,7 +90,8 @@ class DataConfig:
     val_fraction: float = 0.05
     """Share of the documents held out for validation (by document, deterministically)."""
     cache_dir: str = ""
-    """Where tokenized corpora and trained tokenizers are cached; empty means ``$DEPTHMEM_CACHE`` or ``~/.cache/depthmem``."""
+    """Where tokenized corpora and trained tokenizers are cached; empty means ``$DEPTHMEM_CACHE`` or
+    ``~/.cache/depthmem``."""
 
     def __post_init__(self):
         if not 0.0 < self.val_fraction < 1.0:
@@ -99,8 +102,21 @@ class DataConfig:
 
 # Lightning's precision names (its ``_PRECISION_INPUT_STR`` and aliases) and ours, ``auto``; kept here so a config
 # is checked without importing Lightning.
-PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true", "transformer-engine",
-              "transformer-engine-float16", "32", "16", "64", "bf16")
+PRECISIONS = (
+    "auto",
+    "32-true",
+    "bf16-mixed",
+    "bf16-true",
+    "16-mixed",
+    "16-true",
+    "64-true",
+    "transformer-engine",
+    "transformer-engine-float16",
+    "32",
+    "16",
+    "64",
+    "bf16",
+)
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 MAX_SEED = 2**32 - 1
 """The largest seed Lightning's ``seed_everything`` takes."""
@@ -165,8 +181,10 @@ class TrainConfig:
             raise ValueError(f"train.seed must be an integer from 0 to {MAX_SEED}, got {self.seed}")
         # Written as "not in range" so that nan, which fails every comparison, fails these too.
         if self.max_steps and self.tokens:
-            raise ValueError(f"train.max_steps ({self.max_steps}) and train.tokens ({self.tokens}) both fix the "
-                             "budget; set one of them and leave the other 0")
+            raise ValueError(
+                f"train.max_steps ({self.max_steps}) and train.tokens ({self.tokens}) both fix the "
+                "budget; set one of them and leave the other 0"
+            )
         if not 0 < self.tokens_per_param < math.inf:
             raise ValueError(f"train.tokens_per_param must be a positive number, got {self.tokens_per_param}")
         if not 0 < self.lr < math.inf:
@@ -183,8 +201,10 @@ class TrainConfig:
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         if str(self.precision) not in PRECISIONS:
-            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
-                             f"{did_you_mean(self.precision, PRECISIONS)}")
+            raise ValueError(
+                f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+                f"{did_you_mean(self.precision, PRECISIONS)}"
+            )
         if self.accelerator not in ACCELERATORS:
             raise ValueError(f"train.accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
         if self.schedule not in ("cosine", "wsd"):
@@ -199,7 +219,7 @@ class EvalConfig:
 
     tasks: list[str] = field(default_factory=list)
     """Suite or task names; empty skips evaluation."""
-    limit: Optional[int] = None
+    limit: int | None = None
     batch_size: int = 16
 
     def __post_init__(self):
@@ -265,7 +285,7 @@ class RunConfig:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> RunConfig:
         return build_config(d, source=source)
 
 
@@ -291,11 +311,15 @@ def build_config(*layers: dict[str, Any] | list[str], source: str = "config") ->
     for layer in layers:
         for item in layer if isinstance(layer, (list, tuple)) else ():
             if "=" not in str(item) or not str(item).split("=", 1)[0].strip():
-                raise UsageError(f"The override {str(item)!r} in {source} is not KEY=VALUE: write it as "
-                                 f"{str(item).strip('=') or 'train.lr'}=VALUE, e.g. --set train.lr=1e-3.")
+                raise UsageError(
+                    f"The override {str(item)!r} in {source} is not KEY=VALUE: write it as "
+                    f"{str(item).strip('=') or 'train.lr'}=VALUE, e.g. --set train.lr=1e-3."
+                )
     try:
-        confs = [OmegaConf.from_dotlist(list(x)) if isinstance(x, (list, tuple)) else OmegaConf.create(x or {})
-                 for x in layers]
+        confs = [
+            OmegaConf.from_dotlist(list(x)) if isinstance(x, (list, tuple)) else OmegaConf.create(x or {})
+            for x in layers
+        ]
         merged_raw = OmegaConf.merge(*confs) if confs else OmegaConf.create({})
         preset = OmegaConf.select(merged_raw, "model.preset", default="tiny")
         base = OmegaConf.structured(RunConfig(model=model_preset(str(preset))))
@@ -410,8 +434,11 @@ class ConfigBuilder:
         if preset not in PRESETS:
             raise _Unsure
         try:
-            return RunConfig(**top, model=ModelConfig(**{**PRESETS[preset], **parts["model"], "preset": preset}),
-                             **{name: cls(**parts[name]) for name, cls in _SECTIONS.items() if name != "model"})
+            return RunConfig(
+                **top,
+                model=ModelConfig(**{**PRESETS[preset], **parts["model"], "preset": preset}),
+                **{name: cls(**parts[name]) for name, cls in _SECTIONS.items() if name != "model"},
+            )
         except (TypeError, ValueError):
             raise _Unsure from None
 
@@ -433,8 +460,9 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise UsageError(f"The {what} {str(path)!r} is not UTF-8 text (byte {raw[e.start]:#04x} at line {line}); "
-                         "save it as UTF-8.") from None
+        raise UsageError(
+            f"The {what} {str(path)!r} is not UTF-8 text (byte {raw[e.start]:#04x} at line {line}); save it as UTF-8."
+        ) from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -79,10 +79,16 @@ def no_space_message(path: str | os.PathLike, size: int, *, replaces: int = 0) -
     """One sentence: how much room the write of ``size`` bytes to ``path`` needs and how much there is."""
     free = free_bytes(Path(path).parent)
     have = f"; {human_bytes(free)} is free there" if free is not None else ""
-    beside = (f" (the new copy is written beside the old one of {human_bytes(replaces)}, so until it is renamed "
-              f"into place the file takes twice its size)" if replaces else "")
-    return (f"No space left to write {path}: it needs {human_bytes(size)}{beside}{have}. Free some space on that "
-            "disk or write elsewhere, then run the same command again.")
+    beside = (
+        f" (the new copy is written beside the old one of {human_bytes(replaces)}, so until it is renamed "
+        f"into place the file takes twice its size)"
+        if replaces
+        else ""
+    )
+    return (
+        f"No space left to write {path}: it needs {human_bytes(size)}{beside}{have}. Free some space on that "
+        "disk or write elsewhere, then run the same command again."
+    )
 
 
 def check_checkpoint_room(path: str | os.PathLike, size: int) -> None:
@@ -96,10 +102,12 @@ def check_checkpoint_room(path: str | os.PathLike, size: int) -> None:
     free = free_bytes(path.parent)
     need = max(2 * size - old, size)
     if free is not None and free < need:
-        raise DiskFull(f"Not enough space for the checkpoints of this run in {path.parent}: a checkpoint takes "
-                       f"about {human_bytes(size)} and is written beside the previous one, so it needs "
-                       f"{human_bytes(2 * size)} in all and {human_bytes(need)} free; {human_bytes(free)} is free. "
-                       "Free some space or choose another --out.")
+        raise DiskFull(
+            f"Not enough space for the checkpoints of this run in {path.parent}: a checkpoint takes "
+            f"about {human_bytes(size)} and is written beside the previous one, so it needs "
+            f"{human_bytes(2 * size)} in all and {human_bytes(need)} free; {human_bytes(free)} is free. "
+            "Free some space or choose another --out."
+        )
 
 
 def _temp_prefix(name: str) -> str:
@@ -143,7 +151,7 @@ def append_bytes(path: str | os.PathLike, data: bytes) -> Path:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except OSError as e:
         if e.errno in _NO_SPACE:
             raise DiskFull(no_space_message(path, len(data))) from None
@@ -201,7 +209,7 @@ def remove_stale_temps(*folders: str | os.PathLike) -> list[Path]:
 
 
 def _writer_is_gone(entry: os.DirEntry, host: str) -> bool:
-    parts = entry.name[1:-len(".tmp")].split(".")
+    parts = entry.name[1 : -len(".tmp")].split(".")
     writer = parts[-2] if len(parts) >= 3 else ""
     who, _, pid = writer.rpartition("-")
     if who == host and pid.isdigit():
@@ -232,8 +240,9 @@ def writable_dir(path: str | os.PathLike, what: str = "output folder") -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         if e.errno in _NO_SPACE:
-            raise DiskFull(f"No space left to create the {what} {str(path)!r}: free some space on that disk or "
-                           "write elsewhere.") from None
+            raise DiskFull(
+                f"No space left to create the {what} {str(path)!r}: free some space on that disk or write elsewhere."
+            ) from None
         raise UsageError(f"Cannot create the {what} {str(path)!r}: {e.strerror or e}.") from None
     if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
         raise UsageError(f"The {what} {str(path)!r} is not a writable folder.")

@@ -11,13 +11,16 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import subprocess
-from typing import Iterable
+from collections.abc import Iterable
 
 from harness.config import RunConfig
 
 GPU_NAMES = ("gpu", "cuda")
-_PACKAGES = {"tpu": "torch_xla", "transformer-engine": "transformer_engine",
-             "transformer-engine-float16": "transformer_engine"}
+_PACKAGES = {
+    "tpu": "torch_xla",
+    "transformer-engine": "transformer_engine",
+    "transformer-engine-float16": "transformer_engine",
+}
 
 
 def _has(module: str) -> bool:
@@ -35,8 +38,10 @@ def here(cfg: RunConfig) -> list[str]:
     if t.accelerator in GPU_NAMES:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            problems.append(f"train.accelerator={t.accelerator} but this machine has no CUDA GPU; use "
-                            "train.accelerator=auto (or cpu), or run it where there is one.")
+            problems.append(
+                f"train.accelerator={t.accelerator} but this machine has no CUDA GPU; use "
+                "train.accelerator=auto (or cpu), or run it where there is one."
+            )
         elif t.devices > count:
             problems.append(f"train.devices={t.devices} but this machine has {count} CUDA GPU(s).")
     elif t.accelerator == "mps" and not torch.backends.mps.is_available():
@@ -61,11 +66,15 @@ def on_slurm(cfgs: Iterable[RunConfig], partitions: list[str] | None) -> list[st
         if cfg.train.accelerator in GPU_NAMES and cfg.slurm.gpus_per_node < 1:
             gpu_without_gres += 1
     for part, n in unknown.items():
-        problems.append(f"Unknown partition {part!r} (slurm.partition of {n} run(s)); this cluster has "
-                        f"{', '.join(partitions or []) or 'no partitions'}.")
+        problems.append(
+            f"Unknown partition {part!r} (slurm.partition of {n} run(s)); this cluster has "
+            f"{', '.join(partitions or []) or 'no partitions'}."
+        )
     if gpu_without_gres:
-        problems.append(f"{gpu_without_gres} run(s) set train.accelerator to a GPU but request no GPU "
-                        "(slurm.gpus_per_node is 0): set gpus_per_node in the profile or the grid.")
+        problems.append(
+            f"{gpu_without_gres} run(s) set train.accelerator to a GPU but request no GPU "
+            "(slurm.gpus_per_node is 0): set gpus_per_node in the profile or the grid."
+        )
     return problems
 
 

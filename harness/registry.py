@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from harness.errors import UsageError, did_you_mean
 
@@ -20,8 +21,15 @@ T = TypeVar("T")
 _SPEC = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\((.*)\))?\s*$", re.S)
 
 
-def knob(default: Any, help: str, *, choices: tuple | None = None, name: str | None = None,
-         parse: Callable[[str], Any] | None = None, allowed: str | None = None):
+def knob(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple | None = None,
+    name: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    allowed: str | None = None,
+):
     """A config field that is exposed as a knob of a registered name.
 
     ``name`` overrides the knob's public name (``lambda`` for the field ``lambda_``); ``parse`` turns the text
@@ -42,8 +50,7 @@ def _allowed_text(f: dataclasses.Field) -> str:
         return ", ".join(str(c) for c in meta["choices"])
     if meta.get("allowed"):
         return meta["allowed"]
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        _field_type(f), "a value")
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(_field_type(f), "a value")
 
 
 def _field_type(f: dataclasses.Field):
@@ -131,15 +138,18 @@ class Registry(Generic[T]):
 
         return deco
 
-    def add(self, name: str, cls: type, *, defaults: dict[str, Any] | None = None,
-            description: str | None = None) -> None:
+    def add(
+        self, name: str, cls: type, *, defaults: dict[str, Any] | None = None, description: str | None = None
+    ) -> None:
         if name in self._entries:
             raise ValueError(f"{self.kind} {name!r} is registered twice")
         if self.base is not None and not issubclass(cls, self.base):
             raise TypeError(f"{cls.__name__} must subclass {self.base.__name__}")
         missing = sorted(getattr(cls, "__abstractmethods__", ()))
         if missing:
-            raise TypeError(f"{cls.__name__} cannot be registered as {name!r}: it does not implement {', '.join(missing)}")
+            raise TypeError(
+                f"{cls.__name__} cannot be registered as {name!r}: it does not implement {', '.join(missing)}"
+            )
         defaults = dict(defaults or {})
         unknown = set(defaults) - {f.name for f in dataclasses.fields(cls.Config)}
         if unknown:
@@ -152,7 +162,9 @@ class Registry(Generic[T]):
 
     def entry(self, name: str) -> Entry:
         if name not in self._entries:
-            raise UsageError(f"Unknown {self.kind} {name!r}.{did_you_mean(name, self._entries)} Known: {', '.join(self._entries)}.")
+            raise UsageError(
+                f"Unknown {self.kind} {name!r}.{did_you_mean(name, self._entries)} Known: {', '.join(self._entries)}."
+            )
         return self._entries[name]
 
     def config(self, spec: str):
@@ -163,14 +175,17 @@ class Registry(Generic[T]):
         values = dict(entry.defaults)
         for key, text in texts.items():
             if key not in fields:
-                raise UsageError(f"{self.kind} {name!r} has no knob {key!r}.{did_you_mean(key, fields)} "
-                                 f"Its knobs: {', '.join(fields) or 'none'}.")
+                raise UsageError(
+                    f"{self.kind} {name!r} has no knob {key!r}.{did_you_mean(key, fields)} "
+                    f"Its knobs: {', '.join(fields) or 'none'}."
+                )
             f = fields[key]
             try:
                 values[f.name] = _convert(f, text)
             except ValueError:
-                raise UsageError(f"Bad value {text!r} for knob {key!r} of {name!r}: "
-                                 f"allowed values are {_allowed_text(f)}.") from None
+                raise UsageError(
+                    f"Bad value {text!r} for knob {key!r} of {name!r}: allowed values are {_allowed_text(f)}."
+                ) from None
         try:
             cfg = entry.cls.Config(**values)
         except ValueError as e:
@@ -204,7 +219,13 @@ class Registry(Generic[T]):
             base = entry.cls.Config(**entry.defaults)
             knobs = []
             for key, f in knob_fields(entry.cls.Config).items():
-                knobs.append({"knob": key, "default": format_value(getattr(base, f.name)),
-                              "allowed": _allowed_text(f), "help": f.metadata.get("help", "")})
+                knobs.append(
+                    {
+                        "knob": key,
+                        "default": format_value(getattr(base, f.name)),
+                        "allowed": _allowed_text(f),
+                        "help": f.metadata.get("help", ""),
+                    }
+                )
             out.append({"name": entry.name, "description": entry.description, "knobs": knobs})
         return out

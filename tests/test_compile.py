@@ -14,12 +14,20 @@ from pathlib import Path
 import pytest
 
 from harness.config import build_config
-from harness.training import train
+from harness.training.trainer import train
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = {"max_steps": 20, "log_every_steps": 1, "val_every_steps": 20, "val_batches": 0, "ckpt_every_steps": 20,
-            "seq_len": 32, "batch_size": 4, "warmup_steps": 2}
+SETTINGS = {
+    "max_steps": 20,
+    "log_every_steps": 1,
+    "val_every_steps": 20,
+    "val_batches": 0,
+    "ckpt_every_steps": 20,
+    "seq_len": 32,
+    "batch_size": 4,
+    "warmup_steps": 2,
+}
 
 
 def _column(run: Path, name: str) -> list[float]:
@@ -31,8 +39,9 @@ def _column(run: Path, name: str) -> list[float]:
 def test_compiled_training_matches_eager(variant, tmp_path):
     runs = {}
     for compiled in (False, True):
-        cfg = build_config({"model": {"preset": "tiny"}, "variant": variant,
-                            "train": {**SETTINGS, "compile": compiled}})
+        cfg = build_config(
+            {"model": {"preset": "tiny"}, "variant": variant, "train": {**SETTINGS, "compile": compiled}}
+        )
         runs[compiled] = train(cfg, tmp_path / str(compiled))
     for name in ("train_loss", "grad_norm"):
         got, want = _column(runs[True], name), _column(runs[False], name)

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import variants
 from harness import UsageError, build_model, model_preset
 from harness.cli import main
-from harness.costs import COLUMNS, cost_table, preln_flops_per_token, preln_params
+from harness.model.costs import COLUMNS, cost_table, preln_flops_per_token, preln_params
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +83,17 @@ def test_cli_prints_the_table(capsys):
 
 # -- LDM and LDM-RLS: the count follows the implementation that runs -----------------------------------------------
 LDM_COST_SPECS = [
-    "ldm", "ldm(groups=1)", "ldm(groups=4,key_dim=6)", "ldm(read=memory,groups=2)", "ldm(residual_write=off)",
-    "ldm(qk_source=read,groups=8)", "ldm-rls", "ldm-rls(groups=1)", "ldm-rls(groups=4,key_dim=6,omega=off)",
-    "ldm-rls(read=memory,groups=2)", "ldm-rls(residual_write=off,groups=8,key_dim=12)",
+    "ldm",
+    "ldm(groups=1)",
+    "ldm(groups=4,key_dim=6)",
+    "ldm(read=memory,groups=2)",
+    "ldm(residual_write=off)",
+    "ldm(qk_source=read,groups=8)",
+    "ldm-rls",
+    "ldm-rls(groups=1)",
+    "ldm-rls(groups=4,key_dim=6,omega=off)",
+    "ldm-rls(read=memory,groups=2)",
+    "ldm-rls(residual_write=off,groups=8,key_dim=12)",
 ]
 
 

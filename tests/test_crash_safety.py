@@ -33,9 +33,26 @@ pytestmark = pytest.mark.xdist_group("crash")
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 16
-TRAIN_ARGS = ["--preset", "tiny", "--max-steps", str(STEPS), "--set", "train.batch_size=4", "--set",
-              "train.seq_len=32", "--set", "train.ckpt_every_steps=2", "--set", "train.log_every_steps=1",
-              "--set", "train.val_every_steps=4", "--set", "train.val_batches=1", "--set", "train.warmup_steps=2"]
+TRAIN_ARGS = [
+    "--preset",
+    "tiny",
+    "--max-steps",
+    str(STEPS),
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "train.seq_len=32",
+    "--set",
+    "train.ckpt_every_steps=2",
+    "--set",
+    "train.log_every_steps=1",
+    "--set",
+    "train.val_every_steps=4",
+    "--set",
+    "train.val_batches=1",
+    "--set",
+    "train.warmup_steps=2",
+]
 CURVE = ("step", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm")  # tokens_per_s is a clock reading
 
 
@@ -69,8 +86,14 @@ class Depthmem:
     def start(self, argv: list[str]) -> subprocess.Popen:
         self.count += 1
         log = open(self.logs / f"{self.count:03d}-{argv[0]}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "harness.cli", *argv], cwd=ROOT, env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "harness.cli", *argv],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         proc.log_path = Path(log.name)  # type: ignore[attr-defined]
         log.close()
         return proc
@@ -196,7 +219,8 @@ def test_training_killed_at_random_moments_loses_nothing(reference, kill_rng, tm
     assert rundir.read_status(run)["state"] == "done"
     assert curve(run) == ref_curve and len(ref_curve) == STEPS + 1
     assert json.loads((run / "summary.json").read_text())["val_loss"] == pytest.approx(
-        json.loads((reference["run"] / "summary.json").read_text())["val_loss"], rel=1e-12)
+        json.loads((reference["run"] / "summary.json").read_text())["val_loss"], rel=1e-12
+    )
 
     # A finished run killed while it is asked to train again stays exactly as it was.
     before = snapshot(run)
@@ -224,8 +248,9 @@ def test_evaluation_killed_at_random_moments_loses_nothing(reference, kill_rng, 
         files = check_parses(run)
         print(f"evaluation trial {trial}: SIGKILL after {delay:.2f}s -> {outcome}, {files} files parse")
         now = snapshot(run)
-        assert {k: v for k, v in now.items() if k in finished and k != "eval/table.csv"} == \
-            {k: v for k, v in finished.items() if k != "eval/table.csv"}, "a finished file changed"
+        assert {k: v for k, v in now.items() if k in finished and k != "eval/table.csv"} == {
+            k: v for k, v in finished.items() if k != "eval/table.csv"
+        }, "a finished file changed"
         assert table_rows(run, "offline_copa") == copa, "the earlier task's rows changed"
         piqa = table_rows(run, "offline_piqa")
         if piqa:
@@ -264,7 +289,7 @@ def test_report_killed_at_random_moments_loses_nothing(reference, kill_rng, tmp_
 
 # -- readers during writes ------------------------------------------------------------------------------------
 def test_report_while_a_run_is_writing(reference, tmp_path):
-    from harness.reporting import report
+    from harness.reporting.report import report
 
     sweep = tmp_path / "sweep"
     proc = reference["runner"].start(["train", *TRAIN_ARGS, "--out", str(sweep / "live")])
@@ -292,10 +317,33 @@ def test_report_while_a_run_is_writing(reference, tmp_path):
 def test_divergence_stops_with_step_last_loss_and_last_good_checkpoint(tmp_path, capsys):
     run = tmp_path / "sweep" / "diverged"
     # A learning rate no model survives; gradient norms above 100 count as divergence too.
-    argv = ["train", "--preset", "tiny", "--max-steps", "12", "--out", str(run), "--set", "train.lr=1e5",
-            "--set", "train.warmup_steps=0", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
-            "--set", "train.ckpt_every_steps=1", "--set", "train.log_every_steps=1", "--set",
-            "train.val_every_steps=100", "--set", "train.val_batches=1", "--set", "train.max_grad_norm_diverge=100"]
+    argv = [
+        "train",
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "12",
+        "--out",
+        str(run),
+        "--set",
+        "train.lr=1e5",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.seq_len=32",
+        "--set",
+        "train.ckpt_every_steps=1",
+        "--set",
+        "train.log_every_steps=1",
+        "--set",
+        "train.val_every_steps=100",
+        "--set",
+        "train.val_batches=1",
+        "--set",
+        "train.max_grad_norm_diverge=100",
+    ]
     assert cli_main(argv) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "depthmem: The run diverged at step" in err

@@ -8,10 +8,10 @@ import random
 import numpy as np
 import pytest
 
-from harness import data as D
-from harness import tokenizer as toklib
 from harness.cli import main as cli_main
 from harness.config import build_config
+from harness.data import corpus as D
+from harness.data import tokenizer as toklib
 from harness.errors import UsageError
 
 
@@ -53,14 +53,14 @@ def test_windows_match_brute_force(rng_seed):
     for _ in range(20):
         start = int(rng.integers(0, len(flat) - 10))
         length = int(rng.integers(1, len(flat) - start))
-        assert np.array_equal(tokens.window(start, length), flat[start:start + length])
+        assert np.array_equal(tokens.window(start, length), flat[start : start + length])
     lo = int(rng.integers(0, len(flat) - 2))
     hi = int(rng.integers(lo + 1, len(flat)))
     assert np.array_equal(tokens.slice(lo, hi).window(0, hi - lo), flat[lo:hi])
     batch = D.train_batch(tokens, seed=rng_seed, step=3, batch_size=4, seq_len=8)
     assert np.array_equal(batch, D.train_batch(tokens, seed=rng_seed, step=3, batch_size=4, seq_len=8))
     assert not np.array_equal(batch, D.train_batch(tokens, seed=rng_seed, step=4, batch_size=4, seq_len=8))
-    windows = {tuple(flat[s:s + 9]) for s in range(len(flat) - 8)}
+    windows = {tuple(flat[s : s + 9]) for s in range(len(flat) - 8)}
     assert all(tuple(row) in windows for row in batch)
 
 
@@ -77,8 +77,9 @@ def test_prepare_round_trips_documents(tmp_path, docs, small_tokenizer, kind):
             (tmp_path / f"doc{i:02d}.txt").write_text(d)
             inputs.append(str(tmp_path / f"doc{i:02d}.txt"))
     elif kind == "jsonl":
-        (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": d, "id": i}) + "\n"
-                                                     for i, d in enumerate(docs)))
+        (tmp_path / "docs.jsonl").write_text(
+            "".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(docs))
+        )
         inputs.append(str(tmp_path / "docs.jsonl"))
     else:
         import pyarrow as pa
@@ -98,10 +99,10 @@ def test_prepare_round_trips_documents(tmp_path, docs, small_tokenizer, kind):
     assert [tok.decode(p[:-1]) for p in pieces] == docs
 
     cfg = build_config({"data": {"corpus": str(out), "val_fraction": 0.2}, "model": {"vocab_size": 300}})
-    split = D.load_tokens(cfg, toklib.get_tokenizer(cfg))
+    split = D.load_tokens(cfg, D.get_tokenizer(cfg))
     assert len(split.train) + len(split.val) == len(flat)
     assert split.train.window(len(split.train) - 1, 1)[0] == tok.eot_id  # the cut is a document boundary
-    assert np.array_equal(split.val.window(0, len(split.val)), flat[len(split.train):])
+    assert np.array_equal(split.val.window(0, len(split.val)), flat[len(split.train) :])
 
 
 def test_token_dtype_widens_for_large_vocabularies():
@@ -111,13 +112,41 @@ def test_token_dtype_widens_for_large_vocabularies():
 
 def test_prepare_cli_and_bad_inputs(tmp_path, docs, small_tokenizer, capsys):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": docs[0]}) + "\n")
-    assert cli_main(["prepare", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "s"),
-                     "--tokenizer", str(small_tokenizer)]) == 0
+    assert (
+        cli_main(
+            ["prepare", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "s"), "--tokenizer", str(small_tokenizer)]
+        )
+        == 0
+    )
     assert (tmp_path / "s" / "tokenizer.json").exists()
-    assert cli_main(["prepare", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "t"),
-                     "--tokenizer", str(tmp_path / "nope.json")]) == 2
-    assert cli_main(["prepare", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "t"), "--text-field", "body",
-                     "--tokenizer", str(small_tokenizer)]) == 2
+    assert (
+        cli_main(
+            [
+                "prepare",
+                str(tmp_path / "a.jsonl"),
+                "--out",
+                str(tmp_path / "t"),
+                "--tokenizer",
+                str(tmp_path / "nope.json"),
+            ]
+        )
+        == 2
+    )
+    assert (
+        cli_main(
+            [
+                "prepare",
+                str(tmp_path / "a.jsonl"),
+                "--out",
+                str(tmp_path / "t"),
+                "--text-field",
+                "body",
+                "--tokenizer",
+                str(small_tokenizer),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "nope.json" in err and "no field 'body'" in err
     with pytest.raises(UsageError, match="neither an embedded corpus"):
@@ -141,9 +170,11 @@ def test_prepare_hub_dataset(tmp_path):
 def test_prepare_trains_a_bpe_of_the_asked_size_on_the_inputs(tmp_path, docs, capsys):
     text = tmp_path / "mine.jsonl"
     text.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    assert cli_main(["prepare", str(text), "--out", str(tmp_path / "s"), "--tokenizer", "bpe:300",
-                     "--preset", "tiny"]) == 0
-    assert f"model.vocab_size=300" in capsys.readouterr().out
+    assert (
+        cli_main(["prepare", str(text), "--out", str(tmp_path / "s"), "--tokenizer", "bpe:300", "--preset", "tiny"])
+        == 0
+    )
+    assert "model.vocab_size=300" in capsys.readouterr().out
     tok = toklib.from_file(tmp_path / "s" / "tokenizer.json")
     assert tok.vocab_size == 300
     # trained on these documents: it round-trips them, and its merges come from their words

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.config import build_config
-from harness.training import train
+from harness.training.trainer import train
 
 
 def _column(run: Path, name: str) -> list[float]:
@@ -26,15 +26,34 @@ def _column(run: Path, name: str) -> list[float]:
 def test_two_processes_match_one_process(variant, tmp_path, tmp_path_factory):
     env = {**os.environ, "DEPTHMEM_CACHE": str(tmp_path_factory.getbasetemp().parent / "depthmem-cache")}
     os.environ["DEPTHMEM_CACHE"] = env["DEPTHMEM_CACHE"]
-    settings = {"max_steps": 4, "log_every_steps": 1, "val_every_steps": 4, "val_batches": 1, "ckpt_every_steps": 4,
-                "seq_len": 32, "batch_size": 8, "warmup_steps": 2}
-    command = [str(Path(sys.executable).parent / "depthmem"), "train", "--preset", "tiny", "--variant", variant,
-               "--devices", "2",
-               "--out", str(tmp_path / "ddp"), *[f"--set=train.{k}={v}" for k, v in settings.items()]]
+    settings = {
+        "max_steps": 4,
+        "log_every_steps": 1,
+        "val_every_steps": 4,
+        "val_batches": 1,
+        "ckpt_every_steps": 4,
+        "seq_len": 32,
+        "batch_size": 8,
+        "warmup_steps": 2,
+    }
+    command = [
+        str(Path(sys.executable).parent / "depthmem"),
+        "train",
+        "--preset",
+        "tiny",
+        "--variant",
+        variant,
+        "--devices",
+        "2",
+        "--out",
+        str(tmp_path / "ddp"),
+        *[f"--set=train.{k}={v}" for k, v in settings.items()],
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    single = train(build_config({"model": {"preset": "tiny"}, "variant": variant, "train": settings}),
-                   tmp_path / "single")
+    single = train(
+        build_config({"model": {"preset": "tiny"}, "variant": variant, "train": settings}), tmp_path / "single"
+    )
     for name in ("train_loss", "val_loss", "val_bpb", "grad_norm"):
         got, want = _column(tmp_path / "ddp", name), _column(single, name)
         assert len(got) == len(want) > 0

@@ -10,10 +10,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harness.cli import main
 from harness.config import build_config
-from harness.costs import preln_flops_per_token
-from harness.profiles import Profile
-from harness.estimate import run_cost
-from harness.factory import build_model
+from harness.model.costs import preln_flops_per_token
+from harness.model.factory import build_model
+from harness.sweeps.estimate import run_cost
+from harness.sweeps.profiles import Profile
 
 
 def test_preln_run_cost_matches_counted_flops_and_parameters():
@@ -47,18 +47,31 @@ def test_dry_run_prints_costs_per_run_and_total(tmp_path, capsys):
     profile = tmp_path / "cards.yaml"
     profile.write_text("nodes: 2\ntasks_per_node: 4\ngpus_per_node: 4\ngpu_peak_tflops: 989\nutilisation: 0.5\n")
     grid = tmp_path / "g.yaml"
-    grid.write_text(textwrap.dedent(f"""
+    grid.write_text(
+        textwrap.dedent(f"""
         name: g
         profile: {profile}
         base: {{model: {{preset: tiny}}, train: {{max_steps: 100, batch_size: 16}}}}
         axes: {{variant: [preln, hc]}}
-        """))
+        """)
+    )
     assert main(["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     assert "GPU-hours at 50% of a 989 TFLOP/s bf16 peak" in out
-    costs = [run_cost(build_config({"model": {"preset": "tiny"}, "variant": v, "train": {"max_steps": 100,
-                                    "batch_size": 16, "devices": 4, "num_nodes": 2}}),
-                      peak_tflops=989, utilisation=0.5) for v in ("preln", "hc")]
+    costs = [
+        run_cost(
+            build_config(
+                {
+                    "model": {"preset": "tiny"},
+                    "variant": v,
+                    "train": {"max_steps": 100, "batch_size": 16, "devices": 4, "num_nodes": 2},
+                }
+            ),
+            peak_tflops=989,
+            utilisation=0.5,
+        )
+        for v in ("preln", "hc")
+    ]
     total = sum(c["train_flops"] for c in costs)
     assert f"total: 2 run(s), {2 * 100 * 16 * 64 / 1e9:,.2f}B tokens, {total:.3e} training FLOPs" in out
 

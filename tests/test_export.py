@@ -7,15 +7,23 @@ import json
 import pytest
 import torch
 
-from harness.checkpoint import load_model
 from harness.cli import main
 from harness.config import build_config
-from harness.training import train
+from harness.training.checkpoint import load_model
+from harness.training.trainer import train
 
 transformers = pytest.importorskip("transformers")
 
-SETTINGS = {"max_steps": 3, "log_every_steps": 1, "val_every_steps": 3, "val_batches": 1, "ckpt_every_steps": 3,
-            "seq_len": 32, "batch_size": 4, "warmup_steps": 1}
+SETTINGS = {
+    "max_steps": 3,
+    "log_every_steps": 1,
+    "val_every_steps": 3,
+    "val_batches": 1,
+    "ckpt_every_steps": 3,
+    "seq_len": 32,
+    "batch_size": 4,
+    "warmup_steps": 1,
+}
 
 
 def _trained(tmp_path, variant: str, tie: bool = True):
@@ -62,8 +70,8 @@ def test_other_variants_export_with_remote_code(tmp_path, variant):
 def test_lm_eval_hf_backend_scores_an_export_as_the_project_does(tmp_path):
     """lm-eval's own ``hf`` model on the exported folder gives the per-item scores of the project's adapter."""
     pytest.importorskip("accelerate")
-    from harness.evaluation import run_tasks
-    from harness.lm_adapter import DepthmemLM
+    from harness.evaluation.evaluator import run_tasks
+    from harness.evaluation.lm_adapter import DepthmemLM
 
     run = _trained(tmp_path, "ldm-rls")
     out = tmp_path / "hf"
@@ -71,11 +79,19 @@ def test_lm_eval_hf_backend_scores_an_export_as_the_project_does(tmp_path):
     ours = run_tasks(DepthmemLM(str(run), batch_size=4), ["offline_copa"], limit=12, bootstrap_iters=0)
     import lm_eval
 
-    from harness.evaluation import task_manager
+    from harness.evaluation.evaluator import task_manager
 
-    theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out},trust_remote_code=True,dtype=float32",
-                                     tasks=["offline_copa"], task_manager=task_manager(["offline_copa"]), limit=12,
-                                     bootstrap_iters=0, device="cpu", batch_size=4, log_samples=False)
+    theirs = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={out},trust_remote_code=True,dtype=float32",
+        tasks=["offline_copa"],
+        task_manager=task_manager(["offline_copa"]),
+        limit=12,
+        bootstrap_iters=0,
+        device="cpu",
+        batch_size=4,
+        log_samples=False,
+    )
     metrics = [k for k in ours["results"]["offline_copa"] if k.startswith("acc") and "stderr" not in k]
     assert metrics
     for metric in metrics:

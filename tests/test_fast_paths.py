@@ -53,9 +53,11 @@ def test_stream_read_and_write_equal_their_einsums(n, rng_seed):
     pre, X = torch.randn(b, t, n, **F64), torch.randn(b, t, n, d, **F64)
     res, post, v = torch.randn(b, t, n, n, **F64), torch.randn(b, t, n, **F64), torch.randn(b, t, d, **F64)
     _assert_same(StreamRead.apply, lambda p, x: torch.einsum("btk,btkd->btd", p, x), [pre, X])
-    _assert_same(StreamWrite.apply,
-                 lambda r, x, p, u: torch.einsum("btjk,btkd->btjd", r, x) + p.unsqueeze(-1) * u.unsqueeze(-2),
-                 [res, X, post, v])
+    _assert_same(
+        StreamWrite.apply,
+        lambda r, x, p, u: torch.einsum("btjk,btkd->btjd", r, x) + p.unsqueeze(-1) * u.unsqueeze(-2),
+        [res, X, post, v],
+    )
     # Gradients that arrive broadcast (the head's sum over streams hands back an expanded one).
     got = torch.autograd.grad(StreamWrite.apply(res, X.requires_grad_(), post, v).sum(-2).sum(), X)[0]
     torch.testing.assert_close(got, res.sum(-2).unsqueeze(-1).expand_as(X), rtol=1e-12, atol=1e-13)
@@ -64,8 +66,9 @@ def test_stream_read_and_write_equal_their_einsums(n, rng_seed):
 @pytest.mark.parametrize("n, iters", [(2, 1), (4, 20), (3, 7)])
 def test_sinkhorn_backward_equals_autograd_through_the_iterations(n, iters, rng_seed):
     logits = 2.0 * torch.randn(3, 5, n, n, **F64)
-    _assert_same(lambda x: sinkhorn_knopp(x, iters), lambda x: sinkhorn_reference(x, iters), [logits],
-                 rtol=1e-10, atol=1e-12)
+    _assert_same(
+        lambda x: sinkhorn_knopp(x, iters), lambda x: sinkhorn_reference(x, iters), [logits], rtol=1e-10, atol=1e-12
+    )
     assert torch.autograd.gradcheck(lambda x: sinkhorn_knopp(x, iters), (logits[:1, :2].clone().requires_grad_(),))
 
 
@@ -81,7 +84,9 @@ def _model_pair(spec: str):
     return fast, reference
 
 
-@pytest.mark.parametrize("spec", ["hc", "hc(dynamic=off)", "hc(expansion=3)", "mhc", "mhc(expansion=2,sinkhorn_iters=3)"])
+@pytest.mark.parametrize(
+    "spec", ["hc", "hc(dynamic=off)", "hc(expansion=3)", "mhc", "mhc(expansion=2,sinkhorn_iters=3)"]
+)
 def test_stream_mixers_fast_path_equals_reference_values_and_gradients(spec, rng_seed):
     fast, reference = _model_pair(spec)
     assert fast.mixer.impl == "fused"

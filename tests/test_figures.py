@@ -13,13 +13,14 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from harness import figures as figs
-from harness import frontier as fr
-from harness import report_items, tables
-from harness.memory import CoreLoad, live_training_bytes
-from harness.report_items import Context, NoData
-from harness.reporting import report
-from harness.results import aggregate, load_sweep, split_variant
+from harness.benchmarks.memory import CoreLoad, live_training_bytes
+from harness.reporting import figures as figs
+from harness.reporting import frontier as fr
+from harness.reporting import items as report_items
+from harness.reporting import tables
+from harness.reporting.items import Context, NoData
+from harness.reporting.report import report
+from harness.reporting.results import aggregate, load_sweep, split_variant
 
 pytestmark = pytest.mark.xdist_group("report")
 
@@ -31,15 +32,30 @@ TOKENS_PER_PARAM = 20.0
 EXTRA_FLOPS = {"preln": 0, "ldm-rls": 9000, "ldm": 7000}
 WIDTHS = (32, 48, 64, 96)
 DEPTHS = (1, 2, 4)
-ABLATIONS = ("ldm", "ldm-rls(groups=4)", "ldm-rls(omega=off)", "ldm-rls(lambda=1.0)", "ldm-rls(read=memory)",
-             "ldm-rls(qk_source=read)", "ldm-rls(key_dim=8)", "ldm-rls(residual_write=off)",
-             "ldm-rls(groups=4,omega=off)")
+ABLATIONS = (
+    "ldm",
+    "ldm-rls(groups=4)",
+    "ldm-rls(omega=off)",
+    "ldm-rls(lambda=1.0)",
+    "ldm-rls(read=memory)",
+    "ldm-rls(qk_source=read)",
+    "ldm-rls(key_dim=8)",
+    "ldm-rls(residual_write=off)",
+    "ldm-rls(groups=4,omega=off)",
+)
 GROUPS = 4
 
 
 def _model(d: int, n_blocks: int) -> dict:
-    return {"preset": "tiny", "vocab_size": VOCAB, "d_model": d, "n_blocks": n_blocks, "n_heads": 4,
-            "ffn_hidden": 3 * d, "max_seq_len": SEQ}
+    return {
+        "preset": "tiny",
+        "vocab_size": VOCAB,
+        "d_model": d,
+        "n_blocks": n_blocks,
+        "n_heads": 4,
+        "ffn_hidden": 3 * d,
+        "max_seq_len": SEQ,
+    }
 
 
 def _params(m: dict) -> int:
@@ -59,41 +75,80 @@ def _loss(variant: str, flops: float, seed_noise: float) -> float:
     return A * effective ** (-B) * math.exp(seed_noise)
 
 
-def write_run(folder: Path, variant: str, seed: int, model: dict, rng, *, noise: float, lr: float = 3e-3,
-              eval_stderr: float = 0.05) -> dict:
+def write_run(
+    folder: Path,
+    variant: str,
+    seed: int,
+    model: dict,
+    rng,
+    *,
+    noise: float,
+    lr: float = 3e-3,
+    eval_stderr: float = 0.05,
+) -> dict:
     folder.mkdir(parents=True)
     params = _params(model)
     tokens = int(TOKENS_PER_PARAM * params)
     # As a sweep writes it: the budget per parameter resolved into tokens, one count per model size.
-    config = {"name": "study", "variant": variant, "model": model, "data": {"corpus": "shakespeare"},
-              "train": {"seed": seed, "lr": lr, "max_steps": 0, "tokens": tokens, "tokens_per_param": TOKENS_PER_PARAM},
-              "eval": {}, "slurm": {}}
+    config = {
+        "name": "study",
+        "variant": variant,
+        "model": model,
+        "data": {"corpus": "shakespeare"},
+        "train": {"seed": seed, "lr": lr, "max_steps": 0, "tokens": tokens, "tokens_per_param": TOKENS_PER_PARAM},
+        "eval": {},
+        "slurm": {},
+    }
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "status.json").write_text(json.dumps({"state": "done", "step": 10, "message": "done"}))
     flops = _train_flops(model, variant, tokens)
     loss = _loss(variant, flops, noise)
-    summary = {"val_loss": loss, "val_ppl": math.exp(loss), "step": 10, "tokens": tokens, "train_tokens": tokens,
-               "train_steps": 10, "params": params, "extra_params": 0,
-               "extra_flops_per_token": EXTRA_FLOPS[split_variant(variant)[1]], "tokens_per_s": 1000.0,
-               "peak_mem_bytes": 1e8, "peak_mem_method": "cpu", "cores_shared": False}
+    summary = {
+        "val_loss": loss,
+        "val_ppl": math.exp(loss),
+        "step": 10,
+        "tokens": tokens,
+        "train_tokens": tokens,
+        "train_steps": 10,
+        "params": params,
+        "extra_params": 0,
+        "extra_flops_per_token": EXTRA_FLOPS[split_variant(variant)[1]],
+        "tokens_per_s": 1000.0,
+        "peak_mem_bytes": 1e8,
+        "peak_mem_method": "cpu",
+        "cores_shared": False,
+    }
     n_layers = 2 * model["n_blocks"]
     if split_variant(variant)[1] == "ldm-rls":
         summary["depth_memory"] = {
             "lambda": rng.uniform(0.5, 1.0, (n_layers, GROUPS)).tolist(),
-            "omega": [{"mean": m, "std": s, "min": m - 2 * s, "max": m + 2 * s}
-                      for m, s in zip(rng.uniform(0.5, 2.0, n_layers), rng.uniform(0.05, 0.2, n_layers))]}
+            "omega": [
+                {"mean": m, "std": s, "min": m - 2 * s, "max": m + 2 * s}
+                for m, s in zip(rng.uniform(0.5, 2.0, n_layers), rng.uniform(0.05, 0.2, n_layers))
+            ],
+        }
         per_group = [np.tril(rng.uniform(0.0, 1.0, (n_layers + 1, n_layers + 1))) for _ in range(GROUPS)]
-        (folder / "mixing.json").write_text(json.dumps({
-            "readers": [f"layer {i}" for i in range(n_layers)] + ["head"],
-            "sources": ["embedding"] + [f"v{i}" for i in range(n_layers)], "groups": GROUPS,
-            "matrix": np.mean(per_group, axis=0).tolist(), "per_group": [g.tolist() for g in per_group]}))
+        (folder / "mixing.json").write_text(
+            json.dumps(
+                {
+                    "readers": [f"layer {i}" for i in range(n_layers)] + ["head"],
+                    "sources": ["embedding"] + [f"v{i}" for i in range(n_layers)],
+                    "groups": GROUPS,
+                    "matrix": np.mean(per_group, axis=0).tolist(),
+                    "per_group": [g.tolist() for g in per_group],
+                }
+            )
+        )
     (folder / "summary.json").write_text(json.dumps(summary))
     (folder / "metrics.csv").write_text(f"step,tokens,val_loss\n0,0,6.0\n10,{tokens},{loss}\n")
-    (folder / "layers.csv").write_text("step,layer,output_rms,grad_norm\n" + "".join(
-        f"10,{i},{rng.uniform(0.5, 2):.5f},{rng.uniform(0.01, 0.1):.5f}\n" for i in range(n_layers)))
+    (folder / "layers.csv").write_text(
+        "step,layer,output_rms,grad_norm\n"
+        + "".join(f"10,{i},{rng.uniform(0.5, 2):.5f},{rng.uniform(0.01, 0.1):.5f}\n" for i in range(n_layers))
+    )
     (folder / "eval").mkdir()
     (folder / "eval" / "table.csv").write_text(
-        f"task,metric,value,stderr\ncopa,acc,{rng.uniform(0.4, 0.7):.6f},{eval_stderr}\n")
+        f"task,metric,value,stderr\ncopa,acc,{rng.uniform(0.4, 0.7):.6f},{eval_stderr}\n"
+    )
     return summary
 
 
@@ -122,7 +177,8 @@ def study(tmp_path_factory):
     for variant, model, s in runs:
         own = noise[s] + rng.normal(0.0, 0.001)
         summaries[(split_variant(variant)[0], model["d_model"], model["n_blocks"], s)] = write_run(
-            root / _dirname(variant, model, s), variant, s, model, rng, noise=own)
+            root / _dirname(variant, model, s), variant, s, model, rng, noise=own
+        )
     return {"root": root, "sweep": load_sweep(root), "summaries": summaries, "seed": seed}
 
 
@@ -151,8 +207,12 @@ def test_frontier_fit_recovers_a_known_power_law_and_multiplier(tmp_path, rng_se
     # Identical seeds: every resample gives the same multiplier, so the interval closes on it.
     assert np.allclose(rows["low"], MULTIPLIER, rtol=1e-8) and np.allclose(rows["high"], MULTIPLIER, rtol=1e-8)
     points = result.points.sort_values(["variant", "params"])
-    hand = [_train_flops(_model(d, 2), v, int(TOKENS_PER_PARAM * _params(_model(d, 2))))
-            for v in ("ldm-rls", "preln") for d in WIDTHS for _ in SEEDS]
+    hand = [
+        _train_flops(_model(d, 2), v, int(TOKENS_PER_PARAM * _params(_model(d, 2))))
+        for v in ("ldm-rls", "preln")
+        for d in WIDTHS
+        for _ in SEEDS
+    ]
     assert np.allclose(points["flops"], hand, rtol=1e-12)
 
 
@@ -203,8 +263,15 @@ def test_hyperparameter_axes_are_typed_columns_and_numeric_x(tmp_path, rng_seed)
     for variant in ("preln", "ldm-rls"):
         for lr in lrs:
             for s in (0, 1):
-                write_run(tmp_path / f"{variant}-lr{lr}-s{s}", variant, s, _model(64, 2), rng,
-                          noise=rng.normal(0, 0.01), lr=lr)
+                write_run(
+                    tmp_path / f"{variant}-lr{lr}-s{s}",
+                    variant,
+                    s,
+                    _model(64, 2),
+                    rng,
+                    noise=rng.normal(0, 0.01),
+                    lr=lr,
+                )
     sweep = load_sweep(tmp_path)
     tidy = aggregate(sweep)
     assert tidy["lr"].dtype == np.float64 and set(tidy["lr"]) == set(lrs)
@@ -225,8 +292,11 @@ def test_lambda_and_omega_figures_average_seeds_on_one_scale(study):
     # Every ldm-rls setting of the main size has λ; all panels share the limits of all their values.
     assert set(panels) == {split_variant(v)[0] for v in ABLATIONS if v != "ldm"} | {"ldm-rls"}
     assert len({im.get_clim() for im in panels.values()}) == 1
-    runs = [r for r in study["sweep"].finished() if r.variant == "ldm-rls" and r.axes["d_model"] == 64
-            and r.axes["n_blocks"] == 2]
+    runs = [
+        r
+        for r in study["sweep"].finished()
+        if r.variant == "ldm-rls" and r.axes["d_model"] == 64 and r.axes["n_blocks"] == 2
+    ]
     expected = np.mean([r.summary["depth_memory"]["lambda"] for r in runs], axis=0)
     assert np.allclose(panels["ldm-rls"].get_array(), expected, rtol=1e-12)
     every = np.concatenate([im.get_array().ravel() for im in panels.values()])
@@ -248,8 +318,17 @@ def test_ablations_figure_has_every_axis_with_paired_intervals(study):
     frame, reference, _ = figs.ablation_comparisons(_ctx(study))
     assert reference == "ldm-rls"
     # One axis per knob; residual_write=off also reads its queries and keys from the read (qk_source=read).
-    assert set(frame["axis"]) == {"write", "groups", "omega", "lambda", "read", "qk_source", "key_dim",
-                                  "residual_write + qk_source", "groups + omega"}
+    assert set(frame["axis"]) == {
+        "write",
+        "groups",
+        "omega",
+        "lambda",
+        "read",
+        "qk_source",
+        "key_dim",
+        "residual_write + qk_source",
+        "groups + omega",
+    }
     ref = {s: study["summaries"][("ldm-rls", 64, 2, s)]["val_loss"] for s in SEEDS}
     for variant in ("ldm-rls(groups=4)", "ldm"):
         row = frame.set_index("variant").loc[split_variant(variant)[0]]
@@ -276,8 +355,11 @@ def test_palette_is_fixed_by_registry_order():
 
 def test_downstream_intervals_use_seeds_or_stderr(study, tmp_path, rng_seed):
     data = Context(study["sweep"]).table("downstream").data.set_index("variant")
-    runs = [r for r in study["sweep"].finished() if r.variant == "preln" and r.axes["d_model"] == 64
-            and r.axes["n_blocks"] == 2]
+    runs = [
+        r
+        for r in study["sweep"].finished()
+        if r.variant == "preln" and r.axes["d_model"] == 64 and r.axes["n_blocks"] == 2
+    ]
     values = [float(r.eval["value"].iloc[0]) for r in runs]
     main_row = data[(data["d_model"] == 64) & (data["n_blocks"] == 2)].loc["preln"]
     half = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values))
@@ -289,9 +371,22 @@ def test_downstream_intervals_use_seeds_or_stderr(study, tmp_path, rng_seed):
 
 
 def test_report_on_the_study_draws_every_figure_and_lists_the_registry(study, tmp_path):
-    bench = pd.DataFrame([{"variant": v, "depth": d, "width": 64, "seq_len": 64, "step_time_ms": 1.0 * d,
-                           "ratio_time": r, "peak_mem_bytes": 1e6 * d, "ratio_mem": r}
-                          for v, r in (("preln", 1.0), ("ldm-rls", 1.4)) for d in (2, 4)])
+    bench = pd.DataFrame(
+        [
+            {
+                "variant": v,
+                "depth": d,
+                "width": 64,
+                "seq_len": 64,
+                "step_time_ms": 1.0 * d,
+                "ratio_time": r,
+                "peak_mem_bytes": 1e6 * d,
+                "ratio_mem": r,
+            }
+            for v, r in (("preln", 1.0), ("ldm-rls", 1.4))
+            for d in (2, 4)
+        ]
+    )
     bench.to_csv(tmp_path / "bench.csv", index=False)
     text = report(study["root"], out_dir=tmp_path / "out", bench=tmp_path / "bench.csv").read_text()
     for name in report_items.names("figure"):
@@ -336,7 +431,8 @@ def test_live_bytes_and_core_sharing(rng_seed):
     opt.step()
     n = sum(p.numel() for p in model.parameters())
     assert live_training_bytes(model, [opt]) == 4 * n * 4 + sum(
-        s["step"].untyped_storage().nbytes() for s in opt.state.values())  # weights, grads, two moments, steps
+        s["step"].untyped_storage().nbytes() for s in opt.state.values()
+    )  # weights, grads, two moments, steps
     load = CoreLoad()
     load.others = [3, 3]
     assert load.summary(threads=1)["cores_shared"] is (3 + 1 > load.summary(1)["cpu_cores"])
@@ -348,9 +444,14 @@ def test_a_registered_item_without_data_says_why(tmp_path, rng_seed):
     rng = np.random.default_rng(rng_seed)
     write_run(tmp_path / "preln", "preln", 0, _model(64, 2), rng, noise=0.0)
     ctx = Context(load_sweep(tmp_path))
-    for kind, name, reason in (("figure", "frontier", "model size"), ("figure", "depth", "n_blocks"),
-                               ("figure", "lambda", "depth_memory"), ("table", "compute_multiplier", "size")):
+    for kind, name, reason in (
+        ("figure", "frontier", "model size"),
+        ("figure", "depth", "n_blocks"),
+        ("figure", "lambda", "depth_memory"),
+        ("table", "compute_multiplier", "size"),
+    ):
         with pytest.raises(NoData, match=reason):
             report_items.get(kind, name).fn(ctx)
-    assert tables.column_alignment(pd.DataFrame({"a": ["x", "y"], "b": ["1.0", "—"], "c": ["+0.1 ± 0.2", "-3"]})) \
-        == "lrr"
+    assert (
+        tables.column_alignment(pd.DataFrame({"a": ["x", "y"], "b": ["1.0", "—"], "c": ["+0.1 ± 0.2", "-3"]})) == "lrr"
+    )

@@ -12,10 +12,10 @@ import pytest
 
 from harness.cli import main
 from harness.errors import UsageError
-from harness.grid import combinations, expand, load_grid, nest, parse_grid
 from harness.rundir import run_id, short_value
-from harness.profiles import load_profile
-from harness.submit import check_executor, plan
+from harness.sweeps.grid import combinations, expand, load_grid, nest, parse_grid
+from harness.sweeps.profiles import load_profile
+from harness.sweeps.submit import check_executor, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,24 +44,40 @@ def test_product_crosses_every_axis_in_order(rng_seed):
 
 
 def test_zip_varies_keys_together_and_crosses_with_axes():
-    runs = expand(grid_of({"base": BASE, "axes": {"train.seed": [0, 1]},
-                           "zip": [{"train.lr": [1e-3, 3e-3, 1e-2], "train.warmup_steps": [1, 2, 3]}]}))
+    runs = expand(
+        grid_of(
+            {
+                "base": BASE,
+                "axes": {"train.seed": [0, 1]},
+                "zip": [{"train.lr": [1e-3, 3e-3, 1e-2], "train.warmup_steps": [1, 2, 3]}],
+            }
+        )
+    )
     pairs = {(r.cfg.train.seed, r.cfg.train.lr, r.cfg.train.warmup_steps) for r in runs}
     assert len(runs) == 6
     assert pairs == {(s, lr, w) for s in (0, 1) for lr, w in ((1e-3, 1), (3e-3, 2), (1e-2, 3))}
 
 
 def test_exclude_drops_partial_matches_and_include_adds_runs():
-    grid = grid_of({"base": BASE, "axes": {"variant": ["preln", "ldm-rls(groups=4)"], "train.seed": [0, 1]},
-                    # the canonical form of a variant matches however its knobs are spelled
-                    "exclude": [{"variant": "ldm-rls(groups=4,omega=on)", "train.seed": 1}],
-                    "include": [{"variant": "ldm", "train.seed": 5}]})
+    grid = grid_of(
+        {
+            "base": BASE,
+            "axes": {"variant": ["preln", "ldm-rls(groups=4)"], "train.seed": [0, 1]},
+            # the canonical form of a variant matches however its knobs are spelled
+            "exclude": [{"variant": "ldm-rls(groups=4,omega=on)", "train.seed": 1}],
+            "include": [{"variant": "ldm", "train.seed": 5}],
+        }
+    )
     combos = combinations(grid)
     assert {"variant": "ldm-rls(groups=4)", "train.seed": 1} not in combos
     assert combos[-1] == {"variant": "ldm", "train.seed": 5}
     runs = expand(grid)
     assert [(r.cfg.variant, r.cfg.train.seed) for r in runs] == [
-        ("preln", 0), ("preln", 1), ("ldm-rls(groups=4)", 0), ("ldm", 5)]
+        ("preln", 0),
+        ("preln", 1),
+        ("ldm-rls(groups=4)", 0),
+        ("ldm", 5),
+    ]
 
 
 def test_a_base_without_axes_is_one_run():
@@ -70,18 +86,23 @@ def test_a_base_without_axes_is_one_run():
 
 def test_nest_accepts_dotted_and_nested_keys():
     assert nest({"train.lr": 1.0, "train": {"seed": 3}, "model": {"preset": "cpu"}}) == {
-        "train": {"lr": 1.0, "seed": 3}, "model": {"preset": "cpu"}}
+        "train": {"lr": 1.0, "seed": 3},
+        "model": {"preset": "cpu"},
+    }
 
 
 def test_ids_are_stable_readable_and_distinct(tmp_path, rng_seed):
     lr = random.Random(rng_seed).choice([1e-3, 2e-3, 5e-3])
-    path = write(tmp_path, f"""
+    path = write(
+        tmp_path,
+        f"""
         name: ids
         base: {{model: {{preset: tiny}}, train: {{lr: {lr}}}}}
         axes:
           variant: [preln, "ldm-rls(groups=4)"]
           train.seed: [0, 1]
-        """)
+        """,
+    )
     first = expand(load_grid(path))
     again = expand(load_grid(path))
     assert [r.run_id for r in first] == [r.run_id for r in again]
@@ -99,8 +120,9 @@ def test_ids_are_stable_readable_and_distinct(tmp_path, rng_seed):
 def test_ids_carry_the_axis_values(rng_seed):
     rnd = random.Random(rng_seed)
     lrs = [3e-3, round(rnd.uniform(1.1, 9.9), 1) * 1e-4]
-    runs = expand(grid_of({"base": BASE, "axes": {"variant": ["ldm-rls", "preln"], "train.lr": lrs,
-                                                  "train.seed": [0]}}))
+    runs = expand(
+        grid_of({"base": BASE, "axes": {"variant": ["ldm-rls", "preln"], "train.lr": lrs, "train.seed": [0]}})
+    )
     ids = [r.run_id for r in runs]
     assert ids[0].startswith("ldm-rls-lr3e-3-s0-")
     assert ids[1].startswith(f"ldm-rls-lr{lrs[1] * 1e4:g}e-4-s0-")
@@ -115,17 +137,27 @@ def test_identity_ignores_what_does_not_change_the_trained_model(rng_seed):
     rnd = random.Random(rng_seed)
     base = {"model": {"preset": "tiny"}, "train": {"lr": 1e-3, "max_steps": 5}}
     ref = expand(grid_of({"base": base}))[0].run_id
-    same = [{"eval": {"tasks": ["offline_arc_easy"], "limit": rnd.randint(1, 50)}},
-            {"train": {"logger": "wandb"}}, {"train": {"logger": "tensorboard", "log_every_steps": 3}},
-            {"train": {"val_every_steps": rnd.randint(2, 9), "ckpt_every_steps": rnd.randint(2, 9)}},
-            {"train": {"devices": 2, "num_nodes": 2, "strategy": "ddp"}},
-            {"slurm": {"partition": "gpu", "time_min": 5}}, {"data": {"cache_dir": "/tmp/elsewhere"}}]
+    same = [
+        {"eval": {"tasks": ["offline_arc_easy"], "limit": rnd.randint(1, 50)}},
+        {"train": {"logger": "wandb"}},
+        {"train": {"logger": "tensorboard", "log_every_steps": 3}},
+        {"train": {"val_every_steps": rnd.randint(2, 9), "ckpt_every_steps": rnd.randint(2, 9)}},
+        {"train": {"devices": 2, "num_nodes": 2, "strategy": "ddp"}},
+        {"slurm": {"partition": "gpu", "time_min": 5}},
+        {"data": {"cache_dir": "/tmp/elsewhere"}},
+    ]
     for extra in same:
         got = expand(grid_of({"base": {**base, **{k: {**base.get(k, {}), **v} for k, v in extra.items()}}}))[0]
         assert got.run_id == ref, extra
-    changed = [{"train": {"lr": 2e-3}}, {"train": {"max_steps": 6}}, {"train": {"precision": "bf16-mixed"}},
-               {"train": {"batch_size": 4}}, {"model": {"d_model": 32}}, {"data": {"val_fraction": 0.1}},
-               {"variant": "ldm"}]
+    changed = [
+        {"train": {"lr": 2e-3}},
+        {"train": {"max_steps": 6}},
+        {"train": {"precision": "bf16-mixed"}},
+        {"train": {"batch_size": 4}},
+        {"model": {"d_model": 32}},
+        {"data": {"val_fraction": 0.1}},
+        {"variant": "ldm"},
+    ]
     for extra in changed:
         layer = {k: ({**base.get(k, {}), **v} if isinstance(v, dict) else v) for k, v in extra.items()}
         assert expand(grid_of({"base": {**base, **layer}}))[0].run_id != ref, extra
@@ -148,10 +180,27 @@ def test_experiment_files_expand():
     assert {r.cfg.model.preset for r in quick.runs} == {"tiny"} and not quick.warnings
     paper = plan(ROOT / "experiments" / "paper.yaml", root="/nonexistent-results")
     variants_run = {r.cfg.variant for r in paper.runs}
-    for name in ("preln", "ldm", "ldm-rls", "attnres", "attnres-block", "hc", "mhc", "denseformer",
-                 "ldm-rls(omega=off)", "ldm-rls(read=memory)", "ldm-rls(residual_write=off)", "ldm-rls(lambda=1.0)",
-                 "ldm(read=memory)", "ldm(residual_write=off)", "ldm-rls(lambda=0.9)", "ldm-rls(lambda=0.99)",
-                 "ldm-rls(groups=1,key_dim=48)", "ldm-rls(groups=64,key_dim=48)", "preln(match=ldm-rls)"):
+    for name in (
+        "preln",
+        "ldm",
+        "ldm-rls",
+        "attnres",
+        "attnres-block",
+        "hc",
+        "mhc",
+        "denseformer",
+        "ldm-rls(omega=off)",
+        "ldm-rls(read=memory)",
+        "ldm-rls(residual_write=off)",
+        "ldm-rls(lambda=1.0)",
+        "ldm(read=memory)",
+        "ldm(residual_write=off)",
+        "ldm-rls(lambda=0.9)",
+        "ldm-rls(lambda=0.99)",
+        "ldm-rls(groups=1,key_dim=48)",
+        "ldm-rls(groups=64,key_dim=48)",
+        "preln(match=ldm-rls)",
+    ):
         assert name in variants_run
     assert {r.cfg.train.seed for r in paper.runs} == {0, 1, 2}
     assert {r.cfg.model.preset for r in paper.runs} == {"gpt2-small"}
@@ -161,7 +210,7 @@ def test_paper_dry_run_warns_about_the_missing_corpus_and_submission_refuses(cap
     import math
 
     from harness.config import model_preset
-    from harness.factory import build_model
+    from harness.model.factory import build_model
 
     grid = str(ROOT / "experiments" / "paper.yaml")
     assert main(["sweep", grid, "--dry-run", "--results", "/nonexistent-results"]) == 0
@@ -183,33 +232,40 @@ def test_paper_dry_run_warns_about_the_missing_corpus_and_submission_refuses(cap
 def test_budget_counts_against_the_report_baseline_or_takes_explicit_tokens(tmp_path):
     import math
 
-    from harness.budget import train_steps
-    from harness.factory import build_model
+    from harness.model.factory import build_model
+    from harness.training.budget import train_steps
 
-    grid = {"base": {"model": {"preset": "tiny"}, "train": {"batch_size": 4, "seq_len": 16,
-                                                           "tokens_per_param": 2.5}},
-            "axes": {"variant": ["preln", "ldm-rls", "hc"]}, "report": {"baseline": "ldm-rls(groups=4)"}}
+    grid = {
+        "base": {"model": {"preset": "tiny"}, "train": {"batch_size": 4, "seq_len": 16, "tokens_per_param": 2.5}},
+        "axes": {"variant": ["preln", "ldm-rls", "hc"]},
+        "report": {"baseline": "ldm-rls(groups=4)"},
+    }
     runs = expand(grid_of(grid))
     n = build_model(runs[0].cfg.model, "ldm-rls(groups=4)").num_params()
     assert {r.cfg.train.tokens for r in runs} == {math.ceil(2.5 * n)}
     assert {train_steps(r.cfg) for r in runs} == {math.ceil(math.ceil(2.5 * n) / 64)}
     # The default baseline: PreLN. An explicit token count or step count is kept as given.
-    assert {r.cfg.train.tokens for r in expand(grid_of({**grid, "report": {}}))} == \
-        {math.ceil(2.5 * build_model(runs[0].cfg.model, "preln").num_params())}
+    assert {r.cfg.train.tokens for r in expand(grid_of({**grid, "report": {}}))} == {
+        math.ceil(2.5 * build_model(runs[0].cfg.model, "preln").num_params())
+    }
     explicit = expand(grid_of({**grid, "base": {**grid["base"], "train.tokens": 1000}}))
     assert {(r.cfg.train.tokens, train_steps(r.cfg)) for r in explicit} == {(1000, 16)}
     steps = expand(grid_of({**grid, "base": {**grid["base"], "train.max_steps": 7}}))
     assert {(r.cfg.train.tokens, train_steps(r.cfg)) for r in steps} == {(0, 7)}
     # A budget axis gives each model size and budget its own count, the same for every variant within it.
-    varied = expand(grid_of({**grid, "axes": {**grid["axes"], "train.tokens_per_param": [1.0, 2.0],
-                                              "model.n_blocks": [2, 3]}}))
+    varied = expand(
+        grid_of({**grid, "axes": {**grid["axes"], "train.tokens_per_param": [1.0, 2.0], "model.n_blocks": [2, 3]}})
+    )
     by_budget = {}
     for r in varied:
         by_budget.setdefault((r.cfg.train.tokens_per_param, r.cfg.model.n_blocks), set()).add(r.cfg.train.tokens)
     assert len(by_budget) == 4 and all(len(v) == 1 for v in by_budget.values())
     assert len({next(iter(v)) for v in by_budget.values()}) == 4
-    expect_error("both fix the budget", expand, grid_of({**grid, "base": {**grid["base"], "train.tokens": 1000,
-                                                                          "train.max_steps": 3}}))
+    expect_error(
+        "both fix the budget",
+        expand,
+        grid_of({**grid, "base": {**grid["base"], "train.tokens": 1000, "train.max_steps": 3}}),
+    )
     expect_error("report.baseline", grid_of, {**grid, "report": {"baseline": 3}})
 
 
@@ -289,8 +345,9 @@ def test_cli_reports_a_bad_grid_in_one_line(tmp_path, capsys):
 
 
 def test_dry_run_lists_runs_and_resources_and_writes_nothing(tmp_path, capsys):
-    path = write(tmp_path, "name: dry\nbase: {model: {preset: tiny}}\n"
-                           "axes: {variant: [preln, ldm], train.seed: [0, 1]}\n")
+    path = write(
+        tmp_path, "name: dry\nbase: {model: {preset: tiny}}\naxes: {variant: [preln, ldm], train.seed: [0, 1]}\n"
+    )
     assert main(["sweep", str(path), "--dry-run", "--profile", "local", "--results", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     assert out.count("submit") == 4 and "partition=debug" in out and "at most 2 at a time" in out
@@ -299,19 +356,24 @@ def test_dry_run_lists_runs_and_resources_and_writes_nothing(tmp_path, capsys):
 
 
 def test_a_cluster_profile_submits_to_slurm_by_default_and_a_big_local_run_asks(tmp_path, monkeypatch):
-    from harness.submit import sweep
+    from harness.sweeps.submit import sweep
 
-    assert load_profile("gpu-cluster").executor == "slurm" and load_grid(ROOT / "experiments" / "paper.yaml").profile \
-        == "gpu-cluster"
+    assert (
+        load_profile("gpu-cluster").executor == "slurm"
+        and load_grid(ROOT / "experiments" / "paper.yaml").profile == "gpu-cluster"
+    )
     on_cluster = write(tmp_path, "name: c\nprofile: gpu-cluster\nbase: {model: {preset: tiny}}\n", "c.yaml")
     assert plan(on_cluster, root=tmp_path).executor == "slurm"
     assert plan(on_cluster, root=tmp_path, executor="local").executor == "local"
     assert plan(ROOT / "experiments" / "quickstart.yaml", root=tmp_path).executor == "local"
     prof = write(tmp_path, "executor: slurm\npartition: debug\n", "cluster.yaml")
-    path = write(tmp_path, f"name: big\nprofile: {prof}\nbase: {{model: {{preset: tiny}}}}\n"
-                           "axes: {train.seed: [0, 1, 2, 3, 4]}\n")
-    msg = expect_error("add --yes to run them here", sweep, path, executor="local", root=tmp_path / "r",
-                       log=lambda _: None)
+    path = write(
+        tmp_path,
+        f"name: big\nprofile: {prof}\nbase: {{model: {{preset: tiny}}}}\naxes: {{train.seed: [0, 1, 2, 3, 4]}}\n",
+    )
+    msg = expect_error(
+        "add --yes to run them here", sweep, path, executor="local", root=tmp_path / "r", log=lambda _: None
+    )
     assert "5 runs would train on this machine" in msg
     assert not (tmp_path / "r" / "big").exists()
 
@@ -328,8 +390,21 @@ def test_key_value_overrides_change_the_base_but_not_an_axis(tmp_path, capsys):
     p = plan(path, root=tmp_path / "r", overrides=["train.max_steps=7", "train.lr=0.002"])
     assert {(r.cfg.train.max_steps, r.cfg.train.lr) for r in p.runs} == {(7, 0.002)}
     expect_error("train.seed is an axis", plan, path, root=tmp_path / "r", overrides=["train.seed=3"])
-    assert main(["sweep", str(path), "train.max_steps=9", "--set", "train.warmup_steps=2", "--dry-run",
-                 "--results", str(tmp_path / "r")]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                str(path),
+                "train.max_steps=9",
+                "--set",
+                "train.warmup_steps=2",
+                "--dry-run",
+                "--results",
+                str(tmp_path / "r"),
+            ]
+        )
+        == 0
+    )
     assert main(["sweep", str(path), "train.max_steps", "--dry-run", "--results", str(tmp_path / "r")]) == 2
     assert "needs the form KEY=VALUE" in capsys.readouterr().err
 
@@ -349,7 +424,7 @@ def test_old_run_folders_are_renamed_to_the_new_ids(tmp_path):
     import json
 
     from harness.rundir import legacy_run_id, write_config, write_status
-    from harness.submit import _migrate
+    from harness.sweeps.submit import _migrate
 
     path = write(tmp_path, "name: old\nbase: {model: {preset: tiny}}\naxes: {train.lr: [1.0e-3, 2.0e-3]}\n")
     root = tmp_path / "r"
@@ -359,8 +434,9 @@ def test_old_run_folders_are_renamed_to_the_new_ids(tmp_path):
         write_config(old, r.cfg)
         write_status(old, "done", step=5)
         (old / "summary.json").write_text("{}")
-    (root / "old" / "sweep.json").write_text(json.dumps({"runs": [
-        {"run_id": legacy_run_id(r.cfg), "overrides": r.overrides} for r in first.runs]}))
+    (root / "old" / "sweep.json").write_text(
+        json.dumps({"runs": [{"run_id": legacy_run_id(r.cfg), "overrides": r.overrides} for r in first.runs]})
+    )
     p = plan(path, root=root)
     assert set(p.decisions.values()) == {"done"} and set(p.migrations) == {r.run_id for r in p.runs}
     lines = []
@@ -373,8 +449,10 @@ def test_old_run_folders_are_renamed_to_the_new_ids(tmp_path):
 def test_no_controller_is_one_sentence(tmp_path, monkeypatch):
     # The shared cluster cannot be stopped for a test: stand-ins answer as sbatch and sinfo do when no
     # slurmctld runs (the message is sinfo's own).
-    for name, body in (("sbatch", "exit 0"), ("sinfo", "echo 'slurm_load_partitions: Unable to contact slurm "
-                                                      "controller (connect failure)' >&2; exit 1")):
+    for name, body in (
+        ("sbatch", "exit 0"),
+        ("sinfo", "echo 'slurm_load_partitions: Unable to contact slurm controller (connect failure)' >&2; exit 1"),
+    ):
         (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")

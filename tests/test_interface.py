@@ -43,7 +43,7 @@ def test_a_mixer_missing_a_method_is_refused_at_registration():
 
 def test_a_complete_mixer_registers_and_runs_in_the_decoder():
     from harness.config import model_preset
-    from harness.model import Decoder
+    from harness.model.decoder import Decoder
 
     registry = Registry("variant", DepthMixer)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import variants
 from harness import build_model, model_preset
-from harness.model import Trace
+from harness.model.decoder import Trace
 from variants import ldm_rls
 from variants.ldm import SmallMLP
 
@@ -31,8 +31,8 @@ def _randomize(mixer):
         mixer.theta.uniform_(-3.0, 3.0)
     if mixer.uses_memory and mixer.omega_on:
         for mlp in mixer.keys:
-            mlp.fc2.weight[mixer.G * mixer.dk:].normal_()
-            mlp.fc2.bias[mixer.G * mixer.dk:].normal_()
+            mlp.fc2.weight[mixer.G * mixer.dk :].normal_()
+            mlp.fc2.bias[mixer.G * mixer.dk :].normal_()
 
 
 def _rel(a, b):
@@ -59,8 +59,9 @@ def _brute_force_memory(keys, values, lambdas, omegas, alpha):
         beta_ridge = beta_ridge * lambdas[j]
     ridge = (beta_ridge / alpha).sqrt()[..., None, None] * torch.eye(k, dtype=keys.dtype)
     A = torch.cat([torch.stack(rows, -2), ridge.expand(*keys.shape[1:-1], k, k)], -2)  # (..., n+k, k)
-    B = torch.cat([torch.stack(targets, -2), torch.zeros(*values.shape[1:-1], k, values.shape[-1],
-                                                         dtype=values.dtype)], -2)  # (..., n+k, v)
+    B = torch.cat(
+        [torch.stack(targets, -2), torch.zeros(*values.shape[1:-1], k, values.shape[-1], dtype=values.dtype)], -2
+    )  # (..., n+k, v)
     return torch.linalg.lstsq(A, B).solution.transpose(-1, -2), A  # (..., v, k)
 
 
@@ -136,8 +137,10 @@ def test_groups_equal_independent_one_group_memories(write, rng_seed):
     _randomize(mixer)
     mixer.trace = {}
     e = torch.randn(2, 3, d, dtype=torch.float64)
-    single = [(None, ldm_rls.initial_inverse_covariance(1.0, (2, 3, 1), 3, dtype=torch.float64, device="cpu"))
-              for _ in range(G)]
+    single = [
+        (None, ldm_rls.initial_inverse_covariance(1.0, (2, 3, 1), 3, dtype=torch.float64, device="cpu"))
+        for _ in range(G)
+    ]
     with torch.no_grad():
         state = mixer.init_state(e)
         for layer in range(mixer.n_layers):
@@ -147,20 +150,24 @@ def test_groups_equal_independent_one_group_memories(write, rng_seed):
                 for g in range(G):
                     Mg = single[g][0][..., 0, :, :]  # (b, t, v, k)
                     read_g = torch.einsum("btvk,btk->btv", Mg, q[..., g, :])
-                    torch.testing.assert_close(a[..., g * dv:(g + 1) * dv],
-                                               state.x[..., g * dv:(g + 1) * dv] + read_g, rtol=1e-12, atol=1e-12)
+                    torch.testing.assert_close(
+                        a[..., g * dv : (g + 1) * dv],
+                        state.x[..., g * dv : (g + 1) * dv] + read_g,
+                        rtol=1e-12,
+                        atol=1e-12,
+                    )
             v = torch.randn_like(e)
             state = mixer.write(state, layer, v)
             k = mixer.trace[("k", layer)]
             for g in range(G):
-                kg, vg = k[..., g:g + 1, :], v[..., None, g * dv:(g + 1) * dv]  # (b, t, 1, k), (b, t, 1, v)
+                kg, vg = k[..., g : g + 1, :], v[..., None, g * dv : (g + 1) * dv]  # (b, t, 1, k), (b, t, 1, v)
                 M1, P1 = single[g]
                 if write == "outer":
                     step = vg.unsqueeze(-1) * kg.unsqueeze(-2)
                     single[g] = (step if M1 is None else M1 + step, None)
                 else:
-                    lam = mixer.trace[("lambda", layer)][g:g + 1]
-                    omega = mixer.trace[("omega", layer)][..., g:g + 1]
+                    lam = mixer.trace[("lambda", layer)][g : g + 1]
+                    omega = mixer.trace[("omega", layer)][..., g : g + 1]
                     single[g] = ldm_rls.rls_write(M1, P1, kg, vg, lam, omega)
                 torch.testing.assert_close(state.M[..., g, :, :], single[g][0][..., 0, :, :], rtol=1e-12, atol=1e-12)
 
@@ -191,7 +198,7 @@ def test_omega_off_gives_unit_weights_and_equals_zero_omega_outputs(rng_seed):
         state = off.state_dict()
         for name, p in on.state_dict().items():
             src = state[name]
-            p.copy_(src if p.shape == src.shape else torch.cat([src, p[G * dk:]]))
+            p.copy_(src if p.shape == src.shape else torch.cat([src, p[G * dk :]]))
     assert off.mixer.keys[0].fc2.out_features == G * dk
     idx = torch.randint(0, 512, (2, T))
     trace = Trace()
@@ -215,15 +222,23 @@ def test_gradients_reach_every_parameter(spec, rng_seed):
     if mixer.rls:
         assert (mixer.theta.grad != 0).all()
         for mlp in mixer.keys:  # ω's outputs
-            assert (mlp.fc2.weight.grad[mixer.G * mixer.dk:].abs().sum(-1) > 0).all()
+            assert (mlp.fc2.weight.grad[mixer.G * mixer.dk :].abs().sum(-1) > 0).all()
 
 
 # -- spec §7: the mixing matrix -----------------------------------------------------------------------------------
 MIXING_SPECS = [
-    "ldm", "ldm-rls", "ldm(groups=4,key_dim=6)", "ldm-rls(groups=1,alpha=0.5,lambda=0.7)",
-    "ldm(read=memory)", "ldm-rls(read=memory,groups=4)", "ldm(residual_write=off,groups=4)",
-    "ldm-rls(read=memory,residual_write=off,groups=2)", "ldm(read=residual)",
-    "ldm-rls(read=residual)", "ldm(residual_write=off,qk_source=residual,groups=4)", "ldm-rls(qk_source=read)",
+    "ldm",
+    "ldm-rls",
+    "ldm(groups=4,key_dim=6)",
+    "ldm-rls(groups=1,alpha=0.5,lambda=0.7)",
+    "ldm(read=memory)",
+    "ldm-rls(read=memory,groups=4)",
+    "ldm(residual_write=off,groups=4)",
+    "ldm-rls(read=memory,residual_write=off,groups=2)",
+    "ldm(read=residual)",
+    "ldm-rls(read=residual)",
+    "ldm(residual_write=off,qk_source=residual,groups=4)",
+    "ldm-rls(qk_source=read)",
 ]
 
 
@@ -260,11 +275,16 @@ def test_memory_math_stays_float32_under_bf16(spec, rng_seed):
     assert all(v.dtype == torch.float32 for v in trace.mixer.values())
 
 
-@pytest.mark.parametrize("spec, floats", [
-    ("ldm", D + 16 * 4 * 4), ("ldm-rls", D + 16 * 4 * 4 + 16 * 4 * 4),
-    ("ldm(groups=4,key_dim=8)", D + 4 * 16 * 8), ("ldm-rls(groups=2,key_dim=3)", D + 2 * 32 * 3 + 2 * 9),
-    ("ldm-rls(read=residual)", D),
-])
+@pytest.mark.parametrize(
+    "spec, floats",
+    [
+        ("ldm", D + 16 * 4 * 4),
+        ("ldm-rls", D + 16 * 4 * 4 + 16 * 4 * 4),
+        ("ldm(groups=4,key_dim=8)", D + 4 * 16 * 8),
+        ("ldm-rls(groups=2,key_dim=3)", D + 2 * 32 * 3 + 2 * 9),
+        ("ldm-rls(read=residual)", D),
+    ],
+)
 def test_costs(spec, floats):
     mixer = variants.build(spec, d_model=D, n_layers=L)
     assert mixer.stream_floats_per_token() == floats
@@ -311,9 +331,12 @@ def _definition_forward(model, idx):
         k = unit(z[..., : G * dk].unflatten(-1, (G, dk)))
         if not mixer.rls:
             return k, None, None
-        omega = 2 * torch.sigmoid(z[..., G * dk:]) if cfg.omega else torch.ones(b, t, G, dtype=torch.float64)
-        lam = (0.5 + 0.5 * torch.sigmoid(mixer.theta[n]) if cfg.lambda_ == "learned"
-               else torch.full((G,), float(cfg.lambda_), dtype=torch.float64))
+        omega = 2 * torch.sigmoid(z[..., G * dk :]) if cfg.omega else torch.ones(b, t, G, dtype=torch.float64)
+        lam = (
+            0.5 + 0.5 * torch.sigmoid(mixer.theta[n])
+            if cfg.lambda_ == "learned"
+            else torch.full((G,), float(cfg.lambda_), dtype=torch.float64)
+        )
         return k, omega, lam
 
     x = latest = e
@@ -323,24 +346,30 @@ def _definition_forward(model, idx):
         if cfg.read != "memory":
             c[:, :, reader, 0] = 1.0
             if cfg.residual_write:
-                c[:, :, reader, 1: reader + 1] = 1.0
+                c[:, :, reader, 1 : reader + 1] = 1.0
         if writes:
-            q = unit(_definition_mlp(mixer.queries[reader], x if cfg.qk_source == "residual" else latest)
-                     .unflatten(-1, (G, dk)))
+            q = unit(
+                _definition_mlp(mixer.queries[reader], x if cfg.qk_source == "residual" else latest).unflatten(
+                    -1, (G, dk)
+                )
+            )
             for g in range(G):
                 for i, (s, k, omega, _) in enumerate(writes):
                     if not mixer.rls:
                         memory[:, :, reader, s, g] = (k[..., g, :] * q[..., g, :]).sum(-1)
                         continue
                     lams = [w[3][g] for w in writes]
-                    cov = sum(_beta(lams, j + 1) * w[2][..., g, None, None] * w[1][..., g, :, None]
-                              * w[1][..., g, None, :] for j, w in enumerate(writes))
+                    cov = sum(
+                        _beta(lams, j + 1) * w[2][..., g, None, None] * w[1][..., g, :, None] * w[1][..., g, None, :]
+                        for j, w in enumerate(writes)
+                    )
                     P = torch.linalg.inv(cov + _beta(lams, 0) / cfg.alpha * torch.eye(dk, dtype=torch.float64))
                     Pq = (P @ q[..., g, :, None])[..., 0]
                     memory[:, :, reader, s, g] = omega[..., g] * _beta(lams, i + 1) * (k[..., g, :] * Pq).sum(-1)
         c[:, :, reader] += memory[:, :, reader]
-        a = torch.einsum("btsg,btsgv->btgv", c[:, :, reader, : len(sources)],
-                         torch.stack(sources, 2).unflatten(-1, (G, dv))).flatten(-2)
+        a = torch.einsum(
+            "btsg,btsgv->btgv", c[:, :, reader, : len(sources)], torch.stack(sources, 2).unflatten(-1, (G, dv))
+        ).flatten(-2)
         inputs.append(a)
         if reader == L:
             break
@@ -355,12 +384,20 @@ def _definition_forward(model, idx):
 
 
 WEIGHT_SPECS = [
-    "ldm", "ldm(groups=4,key_dim=8)", "ldm(groups=1,key_dim=8)", "ldm(read=memory,groups=2)",
-    "ldm(residual_write=off,groups=4)", "ldm(residual_write=off,qk_source=residual,groups=4)",
+    "ldm",
+    "ldm(groups=4,key_dim=8)",
+    "ldm(groups=1,key_dim=8)",
+    "ldm(read=memory,groups=2)",
+    "ldm(residual_write=off,groups=4)",
+    "ldm(residual_write=off,qk_source=residual,groups=4)",
     "ldm(qk_source=read,groups=8,key_dim=5)",
-    "ldm-rls", "ldm-rls(groups=4,key_dim=8,alpha=0.5)", "ldm-rls(groups=1,key_dim=8,lambda=0.9)",
-    "ldm-rls(read=memory,groups=2,key_dim=6,lambda=0.7)", "ldm-rls(residual_write=off,groups=4,alpha=2.0)",
-    "ldm-rls(qk_source=read,omega=off,groups=8,key_dim=3)", "ldm-rls(read=memory,residual_write=off,groups=4)",
+    "ldm-rls",
+    "ldm-rls(groups=4,key_dim=8,alpha=0.5)",
+    "ldm-rls(groups=1,key_dim=8,lambda=0.9)",
+    "ldm-rls(read=memory,groups=2,key_dim=6,lambda=0.7)",
+    "ldm-rls(residual_write=off,groups=4,alpha=2.0)",
+    "ldm-rls(qk_source=read,omega=off,groups=8,key_dim=3)",
+    "ldm-rls(read=memory,residual_write=off,groups=4)",
     "ldm-rls(groups=16,key_dim=6,lambda=0.99)",
 ]
 

@@ -14,13 +14,24 @@ from variants import ldm_rls
 T, VOCAB = 12, 512
 
 DUAL_SPECS = [
-    "ldm", "ldm(groups=1)", "ldm(groups=4,key_dim=6)", "ldm(read=memory)", "ldm(residual_write=off,groups=4)",
+    "ldm",
+    "ldm(groups=1)",
+    "ldm(groups=4,key_dim=6)",
+    "ldm(read=memory)",
+    "ldm(residual_write=off,groups=4)",
     "ldm(read=memory,residual_write=off,groups=2)",
-    "ldm-rls", "ldm-rls(groups=1)", "ldm-rls(groups=4,key_dim=3)", "ldm-rls(groups=2,alpha=0.3,lambda=0.7)",
-    "ldm-rls(read=memory,groups=4)", "ldm-rls(omega=off,lambda=1.0)", "ldm-rls(residual_write=off,alpha=3.0)",
+    "ldm-rls",
+    "ldm-rls(groups=1)",
+    "ldm-rls(groups=4,key_dim=3)",
+    "ldm-rls(groups=2,alpha=0.3,lambda=0.7)",
+    "ldm-rls(read=memory,groups=4)",
+    "ldm-rls(omega=off,lambda=1.0)",
+    "ldm-rls(residual_write=off,alpha=3.0)",
     "ldm-rls(read=memory,residual_write=off,omega=off,groups=8)",
-    "ldm(qk_source=read,groups=4)", "ldm(residual_write=off,qk_source=residual)",
-    "ldm-rls(qk_source=read,read=memory,groups=2,key_dim=8)", "ldm-rls(groups=2,key_dim=12,lambda=0.9)",
+    "ldm(qk_source=read,groups=4)",
+    "ldm(residual_write=off,qk_source=residual)",
+    "ldm-rls(qk_source=read,read=memory,groups=2,key_dim=8)",
+    "ldm-rls(groups=2,key_dim=12,lambda=0.9)",
 ]
 
 
@@ -33,8 +44,8 @@ def _pair(spec: str, n_blocks: int = 2):
             mixer.theta.uniform_(-3.0, 3.0)
         if mixer.omega_on:
             for mlp in mixer.keys:
-                mlp.fc2.weight[mixer.G * mixer.dk:].normal_()
-                mlp.fc2.bias[mixer.G * mixer.dk:].normal_()
+                mlp.fc2.weight[mixer.G * mixer.dk :].normal_()
+                mlp.fc2.bias[mixer.G * mixer.dk :].normal_()
     recurrent = build_model(model_preset("tiny", n_blocks=n_blocks), spec).to(torch.float64)
     recurrent.load_state_dict(dual.state_dict())
     recurrent.mixer.impl = "recurrent"
@@ -94,17 +105,20 @@ def test_whitened_writes_are_the_inverse_cholesky_factor(groups, key_dim, n, rng
         kt, vt = kt + (k_i,), vt + (v_i,)
     K, V = keys.movedim(0, -2), values.movedim(0, -2)  # (b, g, n, k), (b, g, n, v)
     chol = torch.linalg.cholesky(K @ K.mT + torch.diag_embed(ridge.movedim(0, -1)))
-    torch.testing.assert_close(torch.stack(kt, -2), torch.linalg.solve_triangular(chol, K, upper=False),
-                               rtol=1e-9, atol=1e-11)
-    torch.testing.assert_close(torch.stack(vt, -2), torch.linalg.solve_triangular(chol, V, upper=False),
-                               rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        torch.stack(kt, -2), torch.linalg.solve_triangular(chol, K, upper=False), rtol=1e-9, atol=1e-11
+    )
+    torch.testing.assert_close(
+        torch.stack(vt, -2), torch.linalg.solve_triangular(chol, V, upper=False), rtol=1e-9, atol=1e-11
+    )
     memory = sum(v.unsqueeze(-1) * k.unsqueeze(-2) for k, v in zip(kt, vt))
     reference = ldm_rls.closed_form_memory(keys, values, lambdas[:, None], omegas, alpha)[-1]
     torch.testing.assert_close(memory, reference, rtol=1e-9, atol=1e-11)
     q = torch.randn(b, groups, key_dim, dtype=torch.float64)
     weights = ldm_rls.read_weights(K, ridge.movedim(0, -1), q)  # (b, g, n)
-    torch.testing.assert_close(torch.einsum("bgn,bgnv->bgv", weights, V),
-                               torch.einsum("bgvk,bgk->bgv", reference, q), rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(
+        torch.einsum("bgn,bgnv->bgv", weights, V), torch.einsum("bgvk,bgk->bgv", reference, q), rtol=1e-9, atol=1e-11
+    )
 
 
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls", "ldm-rls(read=memory,groups=4)"])

@@ -12,21 +12,21 @@ from lm_eval.api.instance import Instance
 
 from harness import build_model, model_preset
 from harness.errors import UsageError
-from harness.lm_adapter import DepthmemLM
+from harness.evaluation.lm_adapter import DepthmemLM
 
 CONTEXT = 24  # the model's max_seq_len: small, so truncation and windows are easy to reach
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from harness.tokenizer import gpt2
+    from harness.data.tokenizer import gpt2
 
     return gpt2()
 
 
 @pytest.fixture(scope="module")
 def corpus() -> str:
-    from harness.data import shakespeare_documents
+    from harness.data.corpus import shakespeare_documents
 
     return dict(shakespeare_documents())["hamlet"]
 
@@ -46,7 +46,7 @@ def rng(rng_seed) -> random.Random:
 def passage(corpus: str, rng: random.Random, n_words: int) -> str:
     words = corpus.split()
     start = rng.randrange(len(words) - n_words)
-    return " ".join(words[start: start + n_words])
+    return " ".join(words[start : start + n_words])
 
 
 def log_probs_of(model, ids: list[int]) -> torch.Tensor:
@@ -57,7 +57,7 @@ def log_probs_of(model, ids: list[int]) -> torch.Tensor:
 
 def score(model, inputs: list[int], targets: list[int]) -> tuple[float, bool]:
     """Summed log-prob of ``targets``, the last len(targets) tokens predicted from ``inputs``, and greedy match."""
-    lp = log_probs_of(model, inputs)[-len(targets):]
+    lp = log_probs_of(model, inputs)[-len(targets) :]
     t = torch.tensor(targets)
     return float(lp.gather(1, t[:, None]).sum()), bool((lp.argmax(-1) == t).all())
 
@@ -79,13 +79,12 @@ def test_tokenization_boundaries_follow_hflm(model, tokenizer):
 def test_loglikelihood_equals_brute_force(model, tokenizer, corpus, rng):
     """Summed log-probs and greedy flags equal direct forward passes, with and without left truncation."""
     lm = DepthmemLM(model=model, tokenizer=tokenizer, batch_size=3, device="cpu")
-    pairs = [(passage(corpus, rng, rng.randint(2, 8)), " " + passage(corpus, rng, rng.randint(1, 4)))
-             for _ in range(5)]
+    pairs = [(passage(corpus, rng, rng.randint(2, 8)), " " + passage(corpus, rng, rng.randint(1, 4))) for _ in range(5)]
     pairs += [(passage(corpus, rng, 40), " " + passage(corpus, rng, 3))]  # longer than the context
     got = lm.loglikelihood(requests("loglikelihood", pairs))
     for (context, continuation), (log_prob, greedy) in zip(pairs, got):
         ctx = tokenizer.encode(context)
-        cont = tokenizer.encode(context + continuation)[len(ctx):]
+        cont = tokenizer.encode(context + continuation)[len(ctx) :]
         tokens = ctx + cont
         # Everything but the last token is input; only the last CONTEXT inputs fit.
         want = score(model, tokens[:-1][-CONTEXT:], cont)
@@ -93,8 +92,9 @@ def test_loglikelihood_equals_brute_force(model, tokenizer, corpus, rng):
         assert greedy == want[1]
         if len(tokens) <= CONTEXT + 1:  # fits: identical to scoring the whole sequence
             full = log_probs_of(model, tokens[:-1])
-            assert log_prob == pytest.approx(float(sum(full[len(ctx) - 1 + i, c] for i, c in enumerate(cont))),
-                                             rel=1e-9, abs=1e-9)
+            assert log_prob == pytest.approx(
+                float(sum(full[len(ctx) - 1 + i, c] for i, c in enumerate(cont))), rel=1e-9, abs=1e-9
+            )
 
 
 def test_continuation_longer_than_context_is_scored_in_windows(model, tokenizer, corpus, rng):
@@ -102,15 +102,15 @@ def test_continuation_longer_than_context_is_scored_in_windows(model, tokenizer,
     lm = DepthmemLM(model=model, tokenizer=tokenizer, batch_size=2, device="cpu")
     context, continuation = passage(corpus, rng, 5), " " + passage(corpus, rng, 45)
     ctx = tokenizer.encode(context)
-    cont = tokenizer.encode(context + continuation)[len(ctx):]
+    cont = tokenizer.encode(context + continuation)[len(ctx) :]
     assert len(cont) > CONTEXT
     tokens, want = ctx + cont, 0.0
     end = len(tokens)
     while end > len(ctx):
         cut = max(len(ctx), end - CONTEXT)
-        want += score(model, tokens[:end - 1][-CONTEXT:], tokens[cut:end])[0]
+        want += score(model, tokens[: end - 1][-CONTEXT:], tokens[cut:end])[0]
         end = cut
-    (got, _), = lm.loglikelihood(requests("loglikelihood", [(context, continuation)]))
+    ((got, _),) = lm.loglikelihood(requests("loglikelihood", [(context, continuation)]))
     assert got == pytest.approx(want, rel=1e-9)
 
 
@@ -124,8 +124,9 @@ def test_is_greedy_matches_argmax(model, tokenizer, corpus, rng):
         ranked = log_probs_of(model, ctx)[-1].argsort(descending=True).tolist()
         best, second = tokenizer.decode([ranked[0]]), tokenizer.decode([ranked[1]])
         # Only tokens whose text re-encodes to themselves after this context make a clean test.
-        if (tokenizer.encode(context + best) != ctx + [ranked[0]]
-                or tokenizer.encode(context + second) != ctx + [ranked[1]]):
+        if tokenizer.encode(context + best) != ctx + [ranked[0]] or tokenizer.encode(context + second) != ctx + [
+            ranked[1]
+        ]:
             continue
         (_, g1), (_, g2) = lm.loglikelihood(requests("loglikelihood", [(context, best), (context, second)]))
         assert g1 and not g2
@@ -139,8 +140,9 @@ def test_batch_size_and_request_order_change_nothing(model, tokenizer, corpus, r
     """Same answers for batch sizes 1 and 5 and for shuffled requests, including shared-context choices."""
     shared = passage(corpus, rng, 6)
     pairs = [(shared, " " + w) for w in ("the", "a", "my", "lord")]  # one-token choices: grouped by context
-    pairs += [(passage(corpus, rng, rng.randint(1, 30)), " " + passage(corpus, rng, rng.randint(1, 5)))
-              for _ in range(8)]
+    pairs += [
+        (passage(corpus, rng, rng.randint(1, 30)), " " + passage(corpus, rng, rng.randint(1, 5))) for _ in range(8)
+    ]
     one = DepthmemLM(model=model, tokenizer=tokenizer, batch_size=1, device="cpu")
     five = DepthmemLM(model=model, tokenizer=tokenizer, batch_size=5, device="cpu")
     base = one.loglikelihood(requests("loglikelihood", pairs))
@@ -173,10 +175,10 @@ def test_rolling_sums_disjoint_windows_when_it_does_not_fit(model, tokenizer, co
     text = passage(corpus, rng, 70)
     tokens = tokenizer.encode(text)
     assert len(tokens) > 2 * CONTEXT
-    want = score(model, [tokenizer.eot_id] + tokens[:CONTEXT - 1], tokens[:CONTEXT])[0]
+    want = score(model, [tokenizer.eot_id] + tokens[: CONTEXT - 1], tokens[:CONTEXT])[0]
     for start in range(CONTEXT, len(tokens), CONTEXT):
         end = min(start + CONTEXT, len(tokens))
-        want += score(model, tokens[end - 1 - CONTEXT: end - 1], tokens[start:end])[0]
+        want += score(model, tokens[end - 1 - CONTEXT : end - 1], tokens[start:end])[0]
     (got,) = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]))
     assert got == pytest.approx(want, rel=1e-10)
 
@@ -199,7 +201,7 @@ def test_generate_until_is_greedy_and_stops(model, tokenizer, corpus, rng):
     got = lm.generate_until(requests("generate_until", [(c, {"until": [], "max_gen_toks": 6}) for c in contexts]))
     assert got == expected
     # A stop string taken from the middle of the first output cuts it there.
-    stop = expected[0][len(expected[0]) // 2:][:3]
+    stop = expected[0][len(expected[0]) // 2 :][:3]
     if stop.strip():
         (cut,) = lm.generate_until(requests("generate_until", [(contexts[0], {"until": [stop], "max_gen_toks": 6})]))
         assert cut == expected[0].split(stop)[0]

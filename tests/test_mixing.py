@@ -12,7 +12,7 @@ import torch
 
 import variants
 from harness import build_model, model_preset
-from harness.model import Trace
+from harness.model.decoder import Trace
 
 T = 16
 
@@ -67,10 +67,15 @@ def test_preln_mixing_matrix_is_all_ones_lower_triangular(rng_seed):
 # for the memories, key width d_k) at least the number of sources. The tiny preset has 5 sources (the embedding
 # and 4 outputs), so LDM runs here with groups of 16 or 64 channels and keys of 8.
 PINNED_SPECS = [n for n in variants.names() if not n.startswith("ldm")] + [
-    "ldm(groups=4,key_dim=8)", "ldm(groups=1,key_dim=8)", "ldm(read=memory,groups=4,key_dim=8)",
-    "ldm(residual_write=off,groups=4,key_dim=8)", "ldm(qk_source=read,groups=4,key_dim=5)",
-    "ldm-rls(groups=4,key_dim=8)", "ldm-rls(groups=1,key_dim=8,lambda=0.9)",
-    "ldm-rls(read=memory,groups=4,key_dim=8,alpha=0.5)", "ldm-rls(residual_write=off,groups=4,key_dim=8)",
+    "ldm(groups=4,key_dim=8)",
+    "ldm(groups=1,key_dim=8)",
+    "ldm(read=memory,groups=4,key_dim=8)",
+    "ldm(residual_write=off,groups=4,key_dim=8)",
+    "ldm(qk_source=read,groups=4,key_dim=5)",
+    "ldm-rls(groups=4,key_dim=8)",
+    "ldm-rls(groups=1,key_dim=8,lambda=0.9)",
+    "ldm-rls(read=memory,groups=4,key_dim=8,alpha=0.5)",
+    "ldm-rls(residual_write=off,groups=4,key_dim=8)",
     "ldm-rls(qk_source=read,groups=4,key_dim=6,omega=off)",
 ]
 

@@ -27,15 +27,26 @@ def _hf_twin(model, monkeypatch):
     cfg = model.cfg
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rmsnorm_at_input_precision)
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
-        num_hidden_layers=cfg.n_blocks, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_blocks,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
         attn_implementation="sdpa",
     )
     hf = transformers.LlamaForCausalLM(hf_cfg).to(torch.float64).eval()
-    sd = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.final_norm.weight,
-          "lm_head.weight": model.lm_head.weight}
+    sd = {
+        "model.embed_tokens.weight": model.embed.weight,
+        "model.norm.weight": model.final_norm.weight,
+        "lm_head.weight": model.lm_head.weight,
+    }
     for i in range(cfg.n_blocks):
         att, mlp = model.layers[2 * i], model.layers[2 * i + 1]
         p = f"model.layers.{i}."

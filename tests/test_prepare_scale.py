@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from harness import data as D
-from harness import tokenizer as toklib
 from harness.cli import main as cli_main
+from harness.data import corpus as D
+from harness.data import tokenizer as toklib
 from harness.errors import UsageError
 
 WORDS = "the of depth memory layer stream residual mixing token attention norm gate value key query".split()
@@ -35,12 +35,15 @@ def hub_folder(tmp_path, rng_seed, monkeypatch):
     (root / "other").mkdir()
     sample = [_docs(rng, 70), _docs(rng, 50)]
     for k, part in enumerate(sample):
-        pq.write_table(pa.table({"text": part, "id": [f"{k}-{i}" for i in range(len(part))]}),
-                       root / "sample" / "10BT" / f"{k:03d}_00000.parquet")
+        pq.write_table(
+            pa.table({"text": part, "id": [f"{k}-{i}" for i in range(len(part))]}),
+            root / "sample" / "10BT" / f"{k:03d}_00000.parquet",
+        )
     (root / "other" / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(rng, 5)))
     (root / "README.md").write_text(
         "---\nconfigs:\n- config_name: sample-10BT\n  data_files:\n  - split: train\n    path: sample/10BT/*.parquet\n"
-        "- config_name: other\n  data_files:\n  - split: train\n    path: other/*.jsonl\n---\n# A test corpus\n")
+        "- config_name: other\n  data_files:\n  - split: train\n    path: other/*.jsonl\n---\n# A test corpus\n"
+    )
     tok = tmp_path / "tok.json"
     tok.write_text(toklib.train_bpe(sample[0], 300).to_json())
     return root, sample[0] + sample[1], tok
@@ -57,8 +60,27 @@ def _decoded(out) -> list[str]:
 def test_a_subset_of_a_hub_laid_out_folder(hub_folder, tmp_path):
     root, docs, tok = hub_folder
     out = tmp_path / "shards"
-    assert cli_main(["prepare", str(root), "--subset", "sample-10BT", "--split", "train", "--text-field", "text",
-                     "--tokenizer", str(tok), "--shard-tokens", "500", "--out", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "prepare",
+                str(root),
+                "--subset",
+                "sample-10BT",
+                "--split",
+                "train",
+                "--text-field",
+                "text",
+                "--tokenizer",
+                str(tok),
+                "--shard-tokens",
+                "500",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert _decoded(out) == docs  # only that subset, in file order
     index = D.read_index(out)
     assert index["config"] == "sample-10BT" and index["documents"] == len(docs) and len(index["shards"]) > 2
@@ -66,12 +88,19 @@ def test_a_subset_of_a_hub_laid_out_folder(hub_folder, tmp_path):
 
 def test_max_tokens_stops_at_the_document_that_reaches_it(hub_folder, tmp_path):
     root, docs, tok = hub_folder
-    out = D.prepare([str(root)], tmp_path / "capped", tokenizer=str(tok), config="sample-10BT", max_tokens=1000,
-                    shard_tokens=300, progress=False)
+    out = D.prepare(
+        [str(root)],
+        tmp_path / "capped",
+        tokenizer=str(tok),
+        config="sample-10BT",
+        max_tokens=1000,
+        shard_tokens=300,
+        progress=False,
+    )
     index = D.read_index(out)
     got = _decoded(out)
     last = len(toklib.from_file(tok).encode(got[-1])) + 1
-    assert got == docs[:len(got)] and index["tokens"] >= 1000 > index["tokens"] - last
+    assert got == docs[: len(got)] and index["tokens"] >= 1000 > index["tokens"] - last
 
 
 def test_an_interrupted_preparation_resumes_after_its_last_shard(hub_folder, tmp_path, monkeypatch):
@@ -89,6 +118,7 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(hub_folder, tmp
                     raise KeyboardInterrupt
                 count[0] += 1
                 yield doc
+
         return documents
 
     out = tmp_path / "resumed"

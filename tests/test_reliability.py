@@ -30,9 +30,24 @@ from harness import io as hio
 from harness.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN_ARGS = ["--preset", "tiny", "--max-steps", "2", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
-              "--set", "train.val_batches=1", "--set", "train.val_every_steps=2", "--set",
-              "train.ckpt_every_steps=2", "--set", "train.log_every_steps=1"]
+TRAIN_ARGS = [
+    "--preset",
+    "tiny",
+    "--max-steps",
+    "2",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "train.seq_len=32",
+    "--set",
+    "train.val_batches=1",
+    "--set",
+    "train.val_every_steps=2",
+    "--set",
+    "train.ckpt_every_steps=2",
+    "--set",
+    "train.log_every_steps=1",
+]
 GRID = textwrap.dedent("""\
     name: {name}
     parallelism: 2
@@ -99,7 +114,7 @@ def trained_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def finished_sweep(tmp_path_factory):
     """A two-run grid trained to the end by the local executor: (grid file, results root, run ids)."""
-    from harness.submit import sweep
+    from harness.sweeps.submit import sweep
 
     tmp = tmp_path_factory.mktemp("sweep")
     grid = write(tmp / "pair.yaml", GRID.format(name="pair"))
@@ -119,10 +134,14 @@ class Disk:
         self.path, self.size, self.real = path, size, False
         path.mkdir(parents=True, exist_ok=True)
         if os.geteuid() == 0 and shutil.which("mount"):
-            proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+                capture_output=True,
+                text=True,
+            )
             self.real = proc.returncode == 0
         if not self.real:
+
             def no_space(fd):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -186,7 +205,7 @@ class TestFullDisk:
     def test_a_checkpoint_that_fits_once_but_not_twice(self, tmp_path, disk, rng_seed):
         import torch
 
-        from harness.training import AtomicCheckpointIO
+        from harness.training.trainer import AtomicCheckpointIO
 
         d = disk(3 * 1024 * 1024)
         ckpt = d.path / "ckpt" / "last.ckpt"
@@ -209,8 +228,11 @@ class TestFullDisk:
     def test_eval_on_a_full_disk(self, capsys, disk, trained_run):
         d = disk()
         d.fill()
-        line = fails(capsys, ["eval", str(trained_run), "--tasks", "offline_copa", "--limit", "2",
-                              "--out", str(d.path / "eval")], code=1)
+        line = fails(
+            capsys,
+            ["eval", str(trained_run), "--tasks", "offline_copa", "--limit", "2", "--out", str(d.path / "eval")],
+            code=1,
+        )
         _no_space(line)
         assert not temp_files(d.path)
 
@@ -227,8 +249,11 @@ class TestFullDisk:
         text = write(tmp_path / "doc.txt", "Words to tokenize, and more words. " * 2000)
         d = disk()
         d.fill(leave=8 * 1024)
-        line = fails(capsys, ["prepare", str(text), "--out", str(d.path / "shards"), "--tokenizer",
-                              str(trained_run / "tokenizer.json")], code=1)
+        line = fails(
+            capsys,
+            ["prepare", str(text), "--out", str(d.path / "shards"), "--tokenizer", str(trained_run / "tokenizer.json")],
+            code=1,
+        )
         _no_space(line)
         assert not temp_files(d.path)
 
@@ -366,8 +391,9 @@ class TestNotUtf8:
     def test_profile_file(self, capsys, tmp_path):
         grid = write(tmp_path / "g.yaml", GRID.format(name="g"))
         profile = write(tmp_path / "p.yaml", b"partition: d\xe9bug\n")
-        line = fails(capsys, ["sweep", str(grid), "--profile", str(profile), "--dry-run",
-                              "--results", str(tmp_path / "results")])
+        line = fails(
+            capsys, ["sweep", str(grid), "--profile", str(profile), "--dry-run", "--results", str(tmp_path / "results")]
+        )
         assert "not UTF-8" in line and "p.yaml" in line
 
 
@@ -389,13 +415,14 @@ class TestMisleadingMessages:
         target = write(tmp_path / "a-file", "not a folder")
         doc = write(tmp_path / "doc.txt", "Some words.")
         grid = write(tmp_path / "g.yaml", GRID.format(name="g"))
-        argv = {"bench": ["bench", "--quick", "--variants", "preln", "--out", str(target)],
-                "train": ["train", *TRAIN_ARGS, "--out", str(target)],
-                "eval": ["eval", str(trained_run), "--tasks", "offline_copa", "--limit", "2", "--out", str(target)],
-                "report": ["report", str(trained_run.parent), "--out", str(target)],
-                "prepare": ["prepare", str(doc), "--out", str(target), "--tokenizer",
-                            str(trained_run / "tokenizer.json")],
-                "sweep": ["sweep", str(grid), "--results", str(target)]}[command]
+        argv = {
+            "bench": ["bench", "--quick", "--variants", "preln", "--out", str(target)],
+            "train": ["train", *TRAIN_ARGS, "--out", str(target)],
+            "eval": ["eval", str(trained_run), "--tasks", "offline_copa", "--limit", "2", "--out", str(target)],
+            "report": ["report", str(trained_run.parent), "--out", str(target)],
+            "prepare": ["prepare", str(doc), "--out", str(target), "--tokenizer", str(trained_run / "tokenizer.json")],
+            "sweep": ["sweep", str(grid), "--results", str(target)],
+        }[command]
         line = fails(capsys, argv, code=2)
         assert str(target) in line
 
@@ -438,8 +465,11 @@ class TestSettingsThatFailLater:
 
         from harness.config import PRECISIONS
 
-        assert set(PRECISIONS) == {"auto", *typing.get_args(_PRECISION_INPUT_STR),
-                                   *typing.get_args(_PRECISION_INPUT_STR_ALIAS)}
+        assert set(PRECISIONS) == {
+            "auto",
+            *typing.get_args(_PRECISION_INPUT_STR),
+            *typing.get_args(_PRECISION_INPUT_STR_ALIAS),
+        }
 
     @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
     def test_gpu_accelerator_on_a_cpu_machine(self, capsys, tmp_path):
@@ -458,8 +488,9 @@ class TestSettingsThatFailLater:
             write(bin_dir / name, f"#!/bin/sh\n{body}\n").chmod(0o755)
         monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
         grid = write(tmp_path / "g.yaml", GRID.format(name="g") + "  slurm.partition: [gpuq]\n")
-        out, _ = succeeds(capsys, ["sweep", str(grid), "--executor", "slurm", "--dry-run",
-                                   "--results", str(tmp_path / "results")])
+        out, _ = succeeds(
+            capsys, ["sweep", str(grid), "--executor", "slurm", "--dry-run", "--results", str(tmp_path / "results")]
+        )
         assert "warning: Unknown partition 'gpuq' (slurm.partition of 2 run(s)); this cluster has debug." in out
         line = fails(capsys, ["sweep", str(grid), "--executor", "slurm", "--results", str(tmp_path / "results")])
         assert "Unknown partition 'gpuq'" in line
@@ -468,8 +499,7 @@ class TestSettingsThatFailLater:
 
 # -- what used to be accepted silently -----------------------------------------------------------------------------
 class TestSilentAcceptance:
-    @pytest.mark.parametrize("argv", [["--variant", ""], ["--variant", "  "], ["--preset", ""],
-                                      ["--set", "variant="]])
+    @pytest.mark.parametrize("argv", [["--variant", ""], ["--variant", "  "], ["--preset", ""], ["--set", "variant="]])
     def test_empty_names(self, capsys, tmp_path, argv):
         line = fails(capsys, ["train", *argv, "--out", str(tmp_path / "r"), "--dry-run"])
         assert "variant" in line or "preset" in line
@@ -479,38 +509,58 @@ class TestSilentAcceptance:
         line = fails(capsys, ["train", "--config", str(config), "--out", str(tmp_path / "r"), "--dry-run"])
         assert "variant is empty" in line
 
-    @pytest.mark.parametrize("flags, expected", [(["--bootstrap-iters", "-1"], "bootstrap"),
-                                                 (["--batch-size", "0"], "batch size"),
-                                                 (["--limit", "0"], "limit")])
+    @pytest.mark.parametrize(
+        "flags, expected",
+        [
+            (["--bootstrap-iters", "-1"], "bootstrap"),
+            (["--batch-size", "0"], "batch size"),
+            (["--limit", "0"], "limit"),
+        ],
+    )
     def test_eval_options(self, capsys, trained_run, flags, expected):
         for extra in ([], ["--dry-run"]):
             line = fails(capsys, ["eval", str(trained_run), "--tasks", "offline_copa", *flags, *extra])
             assert expected in line
 
-    @pytest.mark.parametrize("name, data, expected", [
-        ("empty.txt", b"", "is empty"),
-        ("blank.txt", b"  \n\n ", "only white space"),
-        ("binary.txt", None, "binary data"),
-        ("latin.txt", "Caf\xe9 cr\xe8me, na\xefve.\n".encode("latin-1"), "not UTF-8 text"),
-        ("nulls.jsonl", b'{"text": "fine"}\n{"text": null}\n', "Line 2"),
-        ("number.jsonl", b'{"text": 3}\n', "int"),
-        ("latin.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1"), "not UTF-8 text"),
-        ("empty.jsonl", b"\n\n", "no JSON records"),
-    ])
+    @pytest.mark.parametrize(
+        "name, data, expected",
+        [
+            ("empty.txt", b"", "is empty"),
+            ("blank.txt", b"  \n\n ", "only white space"),
+            ("binary.txt", None, "binary data"),
+            ("latin.txt", "Caf\xe9 cr\xe8me, na\xefve.\n".encode("latin-1"), "not UTF-8 text"),
+            ("nulls.jsonl", b'{"text": "fine"}\n{"text": null}\n', "Line 2"),
+            ("number.jsonl", b'{"text": 3}\n', "int"),
+            ("latin.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1"), "not UTF-8 text"),
+            ("empty.jsonl", b"\n\n", "no JSON records"),
+        ],
+    )
     def test_prepare_refuses(self, capsys, tmp_path, trained_run, name, data, expected):
         if data is None:
             data = bytes(random.Random(7).randrange(256) for _ in range(4096)) + b"\0"
         good = write(tmp_path / "good.txt", "A fine document. " * 20)
         bad = write(tmp_path / name, data)
-        line = fails(capsys, ["prepare", str(good), str(bad), "--out", str(tmp_path / "shards"),
-                              "--tokenizer", str(trained_run / "tokenizer.json")])
+        line = fails(
+            capsys,
+            [
+                "prepare",
+                str(good),
+                str(bad),
+                "--out",
+                str(tmp_path / "shards"),
+                "--tokenizer",
+                str(trained_run / "tokenizer.json"),
+            ],
+        )
         assert expected in line and name in line
         assert not (tmp_path / "shards" / "index.json").exists()
 
 
 # -- large grids -----------------------------------------------------------------------------------------------
 def _grid_file(tmp_path: Path, seeds: int, lrs: int, name: str = "big") -> Path:
-    return write(tmp_path / f"{name}.yaml", textwrap.dedent(f"""\
+    return write(
+        tmp_path / f"{name}.yaml",
+        textwrap.dedent(f"""\
         name: {name}
         base:
           model: {{preset: tiny}}
@@ -518,7 +568,8 @@ def _grid_file(tmp_path: Path, seeds: int, lrs: int, name: str = "big") -> Path:
         axes:
           train.seed: {list(range(seeds))}
           train.lr: {[round(1e-4 * (i + 1), 6) for i in range(lrs)]}
-        """))
+        """),
+    )
 
 
 class TestLargeGrids:
@@ -528,19 +579,28 @@ class TestLargeGrids:
 
         rng = random.Random(rng_seed)
         choices = {
-            "model.preset": ["tiny", "cpu", "small"], "model.n_blocks": [1, 3, "4"], "model.norm_eps": [1e-5, "1e-6", 1],
-            "model.tie_embeddings": [True, False, "false"], "variant": ["preln", "ldm-rls(groups=4)"],
-            "train.lr": [1e-3, "3e-4", 2], "train.seed": [0, 7, "3"], "train.schedule": ["cosine", "wsd"],
-            "train.precision": ["auto", "32-true", 32], "eval.tasks": [[], ["offline_copa", "offline_piqa"]],
-            "eval.limit": [None, 5, "10"], "slurm.setup": [["module load x"], []], "data.val_fraction": [0.1, "0.2"],
-            "slurm.mem_gb": [8, 2.5], "name": ["x", "grid-1"],
+            "model.preset": ["tiny", "cpu", "small"],
+            "model.n_blocks": [1, 3, "4"],
+            "model.norm_eps": [1e-5, "1e-6", 1],
+            "model.tie_embeddings": [True, False, "false"],
+            "variant": ["preln", "ldm-rls(groups=4)"],
+            "train.lr": [1e-3, "3e-4", 2],
+            "train.seed": [0, 7, "3"],
+            "train.schedule": ["cosine", "wsd"],
+            "train.precision": ["auto", "32-true", 32],
+            "eval.tasks": [[], ["offline_copa", "offline_piqa"]],
+            "eval.limit": [None, 5, "10"],
+            "slurm.setup": [["module load x"], []],
+            "data.val_fraction": [0.1, "0.2"],
+            "slurm.mem_gb": [8, 2.5],
+            "name": ["x", "grid-1"],
         }
         base = {"model": {"preset": "tiny"}, "train": {"max_steps": 2}}
         builder = C.ConfigBuilder({"slurm": {"time_min": 10}}, base)
         for _ in range(60):
             keys = rng.sample(sorted(choices), rng.randrange(1, 6))
             layer = {k: rng.choice(choices[k]) for k in keys}
-            from harness.grid import nest
+            from harness.sweeps.grid import nest
 
             fast = builder.build(nest(layer))
             slow = C.build_config({"slurm": {"time_min": 10}}, base, nest(layer))
@@ -551,8 +611,14 @@ class TestLargeGrids:
         from harness.errors import UsageError
 
         builder = C.ConfigBuilder({"model": {"preset": "tiny"}})
-        for layer in ({"train": {"lrr": 1}}, {"train": {"lr": "fast"}}, {"train": {"lr": -1}},
-                      {"model": {"preset": "smal"}}, {"train": 3}, {"model": {"d_model": 65}}):
+        for layer in (
+            {"train": {"lrr": 1}},
+            {"train": {"lr": "fast"}},
+            {"train": {"lr": -1}},
+            {"model": {"preset": "smal"}},
+            {"train": 3},
+            {"model": {"d_model": 65}},
+        ):
             with pytest.raises(UsageError) as fast:
                 builder.build(layer, source="x")
             with pytest.raises(UsageError) as slow:
@@ -561,7 +627,7 @@ class TestLargeGrids:
 
     def test_ten_thousand_runs_expand_without_a_merge_per_run(self, tmp_path, monkeypatch):
         from harness import config as C
-        from harness.grid import expand, load_grid
+        from harness.sweeps.grid import expand, load_grid
 
         calls = []
         real = C.build_config
@@ -648,8 +714,10 @@ class TestInterruptedWrites:
         live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         try:
             host = hio._temp_prefix("x").split(".")[2].rsplit("-", 1)[0]
-            kept = [write(run / "ckpt" / f".last.ckpt.{host}-{live.pid}.abc.tmp", b"partial"),
-                    write(run / f".metrics.csv.otherhost-{os.getpid()}.abc.tmp", b"partial")]
+            kept = [
+                write(run / "ckpt" / f".last.ckpt.{host}-{live.pid}.abc.tmp", b"partial"),
+                write(run / f".metrics.csv.otherhost-{os.getpid()}.abc.tmp", b"partial"),
+            ]
             (run / "status.json").write_text(json.dumps({"state": "failed"}))
             succeeds(capsys, ["train", *TRAIN_ARGS, "--out", str(run)])
             assert not any(p.exists() for p in stale)
@@ -671,9 +739,10 @@ class TestInterruptedWrites:
         out = {"eval": sweep / "preln" / "eval", "report": sweep, "prepare": tmp_path / "shards"}[command]
         out.mkdir(parents=True, exist_ok=True)
         stale = _killed_writer(out, "table.csv", 1000)
-        argv = {"eval": ["eval", str(sweep / "preln"), "--tasks", "offline_copa", "--limit", "2"],
-                "report": ["report", str(sweep)],
-                "prepare": ["prepare", str(doc), "--out", str(out), "--tokenizer",
-                            str(trained_run / "tokenizer.json")]}[command]
+        argv = {
+            "eval": ["eval", str(sweep / "preln"), "--tasks", "offline_copa", "--limit", "2"],
+            "report": ["report", str(sweep)],
+            "prepare": ["prepare", str(doc), "--out", str(out), "--tokenizer", str(trained_run / "tokenizer.json")],
+        }[command]
         succeeds(capsys, argv)
         assert not stale.exists()

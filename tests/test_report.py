@@ -11,12 +11,12 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from harness import figures as figs
-from harness.results import aggregate, load_sweep, split_variant
 from harness.cli import main as cli_main
 from harness.errors import UsageError
-from harness.report_items import Context
-from harness.reporting import report, report_spec, resolve_target
+from harness.reporting import figures as figs
+from harness.reporting.items import Context
+from harness.reporting.report import report, report_spec, resolve_target
+from harness.reporting.results import aggregate, load_sweep, split_variant
 
 pytestmark = pytest.mark.xdist_group("report")
 
@@ -34,17 +34,34 @@ RUNS = [
     ("ldm", (5,), "diverged", "non-finite loss at step 30"),
     ("preln", (3,), "running", ""),
 ]
-PRESET = {"preset": "tiny", "vocab_size": 512, "d_model": 64, "n_blocks": N_LAYERS // 2, "n_heads": 4,
-          "ffn_hidden": 192, "max_seq_len": 64}
+PRESET = {
+    "preset": "tiny",
+    "vocab_size": 512,
+    "d_model": 64,
+    "n_blocks": N_LAYERS // 2,
+    "n_heads": 4,
+    "ffn_hidden": 192,
+    "max_seq_len": 64,
+}
 
 
 def _write_run(folder, variant, seed, state, message, rng):
     folder.mkdir(parents=True)
-    config = {"name": "synthetic", "variant": variant, "model": PRESET, "data": {"corpus": "shakespeare"},
-              "train": {"seed": seed, "lr": 3e-3}, "eval": {"tasks": list(TASKS)}, "slurm": {"partition": ""}}
+    config = {
+        "name": "synthetic",
+        "variant": variant,
+        "model": PRESET,
+        "data": {"corpus": "shakespeare"},
+        "train": {"seed": seed, "lr": 3e-3},
+        "eval": {"tasks": list(TASKS)},
+        "slurm": {"partition": ""},
+    }
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "status.json").write_text(json.dumps({"state": state, "step": 40 if state == "done" else 20,
-                                                    "message": message, "job_id": "1", "node": "n1"}))
+    (folder / "status.json").write_text(
+        json.dumps(
+            {"state": state, "step": 40 if state == "done" else 20, "message": message, "job_id": "1", "node": "n1"}
+        )
+    )
     steps = [0, 10, 20, 30, 40] if state == "done" else [0, 10, 20]
     val = 6.0 - 0.05 * np.arange(len(steps)) + rng.uniform(0.0, 0.2)
     lines = ["step,tokens,train_loss,val_loss,val_bpb,lr,grad_norm,tokens_per_s"]
@@ -56,23 +73,45 @@ def _write_run(folder, variant, seed, state, message, rng):
     layer_lines = ["step,layer,kind,input_rms,output_rms,grad_norm"]
     for step in (0, steps[-1]):
         for layer in range(N_LAYERS):
-            layer_lines.append(f"{step},{layer},{'attn' if layer % 2 == 0 else 'mlp'},{rng.uniform(0.5, 2):.5f},"
-                               f"{rng.uniform(0.1, 1):.5f},{rng.uniform(0.01, 0.1):.5f}")
+            layer_lines.append(
+                f"{step},{layer},{'attn' if layer % 2 == 0 else 'mlp'},{rng.uniform(0.5, 2):.5f},"
+                f"{rng.uniform(0.1, 1):.5f},{rng.uniform(0.01, 0.1):.5f}"
+            )
     (folder / "layers.csv").write_text("\n".join(layer_lines) + "\n")
     if state != "done":
         return None
     final = float(rng.normal(3.3, 0.05))
-    summary = {"val_loss": final, "val_bpb": final / math.log(2), "val_ppl": math.exp(final), "step": 40,
-               "tokens": 40000, "params": 100000 + 1000 * len(variant), "extra_params": 1000 * len(variant),
-               "stream_floats_per_token": 64 * (1 + len(variant) % 3), "extra_flops_per_token": 5000,
-               "tokens_per_s": float(rng.uniform(900, 1100)), "peak_mem_bytes": int(rng.uniform(1e8, 2e8)),
-               "peak_mem_method": "cpu", "cores_shared": False, "train_tokens": 40000, "train_steps": 40,
-               "wall_s": 12.5}
+    summary = {
+        "val_loss": final,
+        "val_bpb": final / math.log(2),
+        "val_ppl": math.exp(final),
+        "step": 40,
+        "tokens": 40000,
+        "params": 100000 + 1000 * len(variant),
+        "extra_params": 1000 * len(variant),
+        "stream_floats_per_token": 64 * (1 + len(variant) % 3),
+        "extra_flops_per_token": 5000,
+        "tokens_per_s": float(rng.uniform(900, 1100)),
+        "peak_mem_bytes": int(rng.uniform(1e8, 2e8)),
+        "peak_mem_method": "cpu",
+        "cores_shared": False,
+        "train_tokens": 40000,
+        "train_steps": 40,
+        "wall_s": 12.5,
+    }
     (folder / "summary.json").write_text(json.dumps(summary))
     matrix = np.tril(rng.uniform(0.1, 1.0, (N_LAYERS + 1, N_LAYERS + 1)))
-    (folder / "mixing.json").write_text(json.dumps({
-        "readers": [f"layer {i}" for i in range(N_LAYERS)] + ["head"], "sources": ["embed"] +
-        [f"v{i}" for i in range(N_LAYERS)], "groups": 1, "matrix": matrix.tolist(), "per_group": [matrix.tolist()]}))
+    (folder / "mixing.json").write_text(
+        json.dumps(
+            {
+                "readers": [f"layer {i}" for i in range(N_LAYERS)] + ["head"],
+                "sources": ["embed"] + [f"v{i}" for i in range(N_LAYERS)],
+                "groups": 1,
+                "matrix": matrix.tolist(),
+                "per_group": [matrix.tolist()],
+            }
+        )
+    )
     eval_lines = ["task,metric,value,stderr"]
     for task, metrics in TASKS.items():
         for metric in metrics:
@@ -95,7 +134,8 @@ def sweep_tree(tmp_path_factory):
             summary = _write_run(folder, variant, s, state, message, rng)
             if summary is not None:
                 finals.setdefault(split_variant(variant)[0], []).append(
-                    {"summary": summary, "eval": pd.read_csv(folder / "eval" / "table.csv")})
+                    {"summary": summary, "eval": pd.read_csv(folder / "eval" / "table.csv")}
+                )
     # A running run's metrics.csv with a last line still being appended.
     with open(root / "preln" / "run-s3" / "metrics.csv", "a") as f:
         f.write("30,30000,5.7")
@@ -103,10 +143,23 @@ def sweep_tree(tmp_path_factory):
     broken = root / "mhc" / "run-s0"
     _write_run(broken, "mhc", 0, "done", "", rng)
     (broken / "summary.json").write_text('{"val_loss": 3.2, "step"')
-    bench = pd.DataFrame([{"variant": v, "depth": d, "width": 256, "seq_len": 256, "step_time_ms": t,
-                           "ratio_time": t / (10.0 * d), "peak_mem_bytes": 1e8 * d, "ratio_mem": r}
-                          for v, r in (("preln", 1.0), ("ldm-rls", 1.3)) for d in (4, 8, 16)
-                          for t in [10.0 * d * r]])
+    bench = pd.DataFrame(
+        [
+            {
+                "variant": v,
+                "depth": d,
+                "width": 256,
+                "seq_len": 256,
+                "step_time_ms": t,
+                "ratio_time": t / (10.0 * d),
+                "peak_mem_bytes": 1e8 * d,
+                "ratio_mem": r,
+            }
+            for v, r in (("preln", 1.0), ("ldm-rls", 1.3))
+            for d in (4, 8, 16)
+            for t in [10.0 * d * r]
+        ]
+    )
     bench.to_csv(root / "bench.csv", index=False)
     out = tmp_path_factory.mktemp("report-out")
     path = report(root, out_dir=out)
@@ -180,8 +233,11 @@ def test_unfinished_runs_are_listed_and_never_averaged(sweep_tree):
     assert states[split_variant("ldm")[0]] == "diverged"
     assert states[split_variant("mhc")[0]] == "done"
     assert "running" in set(excluded["state"])
-    for message in ("CUDA out of memory at step 12", "non-finite loss at step 30",
-                    "finished without a readable final validation loss"):
+    for message in (
+        "CUDA out of memory at step 12",
+        "non-finite loss at step 30",
+        "finished without a readable final validation loss",
+    ):
         assert message in text
     assert "mhc/run-s0/summary.json" in text  # the unreadable file is named
     main = pd.read_csv(sweep_tree["out"] / "tables" / "main.csv")
@@ -193,8 +249,9 @@ def test_ablation_table_is_against_default_ldm_rls(sweep_tree):
     abl = pd.read_csv(sweep_tree["out"] / "tables" / "ablations.csv")
     ref = _by_seed(sweep_tree, "ldm-rls")
     assert abl.iloc[0]["variant"] == split_variant("ldm-rls")[0]
-    assert set(abl["variant"]) == {split_variant(v)[0] for v in
-                                   ("ldm-rls", "ldm-rls(groups=4)", "ldm-rls(omega=off)", "ldm")}
+    assert set(abl["variant"]) == {
+        split_variant(v)[0] for v in ("ldm-rls", "ldm-rls(groups=4)", "ldm-rls(omega=off)", "ldm")
+    }
     for variant in ("ldm-rls(groups=4)", "ldm-rls(omega=off)"):
         own, row = _by_seed(sweep_tree, variant), _row(abl, variant)
         shared = sorted(set(own) & set(ref))
@@ -245,8 +302,22 @@ def test_tables_render_markdown_and_booktabs_latex(sweep_tree):
 
 def test_aggregate_is_one_tidy_row_per_run_step_metric(sweep_tree):
     tidy = aggregate(sweep_tree["root"])
-    assert {"run_id", "variant", "base", "knobs", "knob_groups", "knob_omega", "preset", "seed", "state", "step",
-            "tokens", "metric", "value", "stderr"} <= set(tidy.columns)
+    assert {
+        "run_id",
+        "variant",
+        "base",
+        "knobs",
+        "knob_groups",
+        "knob_omega",
+        "preset",
+        "seed",
+        "state",
+        "step",
+        "tokens",
+        "metric",
+        "value",
+        "stderr",
+    } <= set(tidy.columns)
     assert not tidy.duplicated(["run_dir", "source", "task", "step", "metric"]).any()
     groups4 = tidy[tidy["variant"] == split_variant("ldm-rls(groups=4)")[0]]
     assert set(groups4["base"]) == {"ldm-rls"} and set(groups4["knob_groups"]) == {4}
@@ -285,8 +356,12 @@ def test_every_figure_is_written_with_its_panels(sweep_tree):
     fig, _ = figs.mixing_matrices(ctx)
     assert sorted(ax.get_title() for ax in fig.axes if ax.get_title()) == sorted(with_mixing)
     # One colour scale: every heatmap's colour limits are the same.
-    limits = {tuple(round(v, 12) for v in coll.get_clim()) for ax in fig.axes for coll in ax.collections
-              if coll.get_array() is not None and None not in coll.get_clim()}
+    limits = {
+        tuple(round(v, 12) for v in coll.get_clim())
+        for ax in fig.axes
+        for coll in ax.collections
+        if coll.get_array() is not None and None not in coll.get_clim()
+    }
     assert len(limits) == 1 and len([ax for ax in fig.axes if ax.get_title()]) == len(with_mixing)
     fig, _ = figs.ablation_grid(ctx)
     assert len([ax for ax in fig.axes if ax.get_title().startswith("ω")]) == 2  # omega on (default) and off
@@ -333,8 +408,10 @@ def test_grid_file_report_section_selects_outputs(tmp_path, rng_seed, monkeypatc
     assert cli_main(["report", str(grid)]) == 0
     text = (tmp_path / "results" / "paper" / "REPORT.md").read_text()
     assert text.startswith("# Depth memory") and "cost" not in text.lower().split("## data")[0]
-    assert sorted(p.name for p in (tmp_path / "results" / "paper" / "figures").iterdir()) == \
-        ["final_loss.pdf", "final_loss.png"]
+    assert sorted(p.name for p in (tmp_path / "results" / "paper" / "figures").iterdir()) == [
+        "final_loss.pdf",
+        "final_loss.png",
+    ]
     folder, spec = resolve_target("paper")
     assert folder.resolve() == tmp_path / "results" / "paper" and spec == report_spec(None)
 
@@ -371,7 +448,7 @@ def _budget_runs(root, runs, rng):
 
 
 def test_runs_of_different_budgets_are_never_compared(tmp_path, rng_seed):
-    from harness import tables
+    from harness.reporting import tables
 
     rng = np.random.default_rng(rng_seed)
     # One config for all, but ldm-rls trained on more tokens (a budget counted from each run's own parameters).
@@ -379,23 +456,28 @@ def test_runs_of_different_budgets_are_never_compared(tmp_path, rng_seed):
     table = tables.main_table(Context(sweep))
     assert math.isnan(_row(table.data, "ldm-rls")["delta"]) and not math.isnan(_row(table.data, "ldm")["delta"])
     shown = table.display.set_index("Variant")
-    assert shown.loc["ldm-rls", "Δ loss vs preln (95% CI, method)"] == \
-        "— (trained on 2.00K tokens, preln on 1.00K tokens)"
+    assert (
+        shown.loc["ldm-rls", "Δ loss vs preln (95% CI, method)"] == "— (trained on 2.00K tokens, preln on 1.00K tokens)"
+    )
     assert list(shown["Train tokens"]) == ["1.00K", "1.00K", "2.00K"]
     assert any("No Δ for ldm-rls" in n for n in table.notes)
     tidy = aggregate(sweep)  # every row carries its run's budget, typed
     assert str(tidy["train_tokens"].dtype) == "Int64" and "train_tokens" not in set(tidy["metric"])
     assert dict(tidy.groupby("variant")["train_tokens"].unique().map(list)) == {
-        split_variant(v)[0]: [t] for v, t in (("preln", 1000), ("ldm-rls", 2000), ("ldm", 1000))}
+        split_variant(v)[0]: [t] for v, t in (("preln", 1000), ("ldm-rls", 2000), ("ldm", 1000))
+    }
     assert set(tidy["train_steps"]) == {10, 20}
 
 
 def test_a_budget_varied_on_purpose_is_shown_and_compared_within_each_budget(tmp_path, rng_seed):
-    from harness import tables
+    from harness.reporting import tables
 
     rng = np.random.default_rng(rng_seed)
-    sweep = _budget_runs(tmp_path / "s", [("preln", 1000, 1000), ("ldm-rls", 1000, 1000), ("preln", 3000, 3000),
-                                          ("ldm-rls", 3000, 3000)], rng)
+    sweep = _budget_runs(
+        tmp_path / "s",
+        [("preln", 1000, 1000), ("ldm-rls", 1000, 1000), ("preln", 3000, 3000), ("ldm-rls", 3000, 3000)],
+        rng,
+    )
     table = tables.main_table(Context(sweep))
     assert list(table.display["Train tokens"]) == ["1.00K", "1.00K", "3.00K", "3.00K"]
     # The budget is a grid axis: a typed column of its own (named apart from the budget columns).

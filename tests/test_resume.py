@@ -16,11 +16,26 @@ import torch
 
 from harness import rundir
 from harness.config import build_config
-from harness.training import train
+from harness.training.trainer import train
 
-ARGS = ["--preset", "tiny", "--max-steps", "16", "--set", "train.ckpt_every_steps=4", "--set",
-        "train.log_every_steps=1", "--set", "train.val_every_steps=8", "--set", "train.val_batches=1",
-        "--set", "train.seq_len=32", "--set", "train.warmup_steps=2"]
+ARGS = [
+    "--preset",
+    "tiny",
+    "--max-steps",
+    "16",
+    "--set",
+    "train.ckpt_every_steps=4",
+    "--set",
+    "train.log_every_steps=1",
+    "--set",
+    "train.val_every_steps=8",
+    "--set",
+    "train.val_batches=1",
+    "--set",
+    "train.seq_len=32",
+    "--set",
+    "train.warmup_steps=2",
+]
 
 
 def _curve(run: Path) -> list[tuple[str, str, str]]:
@@ -34,8 +49,9 @@ def test_sigkill_then_rerun_matches_an_uninterrupted_run(tmp_path, tmp_path_fact
     os.environ["DEPTHMEM_CACHE"] = env["DEPTHMEM_CACHE"]
     command = [str(Path(sys.executable).parent / "depthmem"), "train", *ARGS, "--out", str(tmp_path / "killed")]
     ckpt = tmp_path / "killed" / "ckpt" / "last.ckpt"
-    proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        command, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.time() + 300
         while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
@@ -51,9 +67,20 @@ def test_sigkill_then_rerun_matches_an_uninterrupted_run(tmp_path, tmp_path_fact
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert f"resuming at step {killed_at}" in rerun.stdout
 
-    cfg = build_config({"model": {"preset": "tiny"}, "train": {
-        "max_steps": 16, "ckpt_every_steps": 4, "log_every_steps": 1, "val_every_steps": 8, "val_batches": 1,
-        "seq_len": 32, "warmup_steps": 2}})
+    cfg = build_config(
+        {
+            "model": {"preset": "tiny"},
+            "train": {
+                "max_steps": 16,
+                "ckpt_every_steps": 4,
+                "log_every_steps": 1,
+                "val_every_steps": 8,
+                "val_batches": 1,
+                "seq_len": 32,
+                "warmup_steps": 2,
+            },
+        }
+    )
     reference = train(cfg, tmp_path / "uninterrupted")
     assert _curve(tmp_path / "killed") == _curve(reference)
     assert [s for s, _, _ in _curve(reference)] == [str(i) for i in range(17)]
@@ -62,11 +89,18 @@ def test_sigkill_then_rerun_matches_an_uninterrupted_run(tmp_path, tmp_path_fact
 def test_metrics_log_appends_and_resumes_to_exactly_the_uninterrupted_rows(tmp_path):
     """Rows are appended, not rewritten; a resumed segment keeps exactly the rows up to its checkpoint step, even
     after a killed segment left later rows and a line cut short behind."""
-    from harness.training import METRICS_COLUMNS, CsvLog, _csv_text, _read_rows
+    from harness.training.trainer import METRICS_COLUMNS, CsvLog, _csv_text, _read_rows
 
     gen = torch.Generator().manual_seed(7)
-    rows = [{"step": s, "tokens": 64 * s, "train_loss": float(torch.rand((), generator=gen)),
-             "val_loss": float(torch.rand((), generator=gen)) if s % 4 == 0 else None} for s in range(13)]
+    rows = [
+        {
+            "step": s,
+            "tokens": 64 * s,
+            "train_loss": float(torch.rand((), generator=gen)),
+            "val_loss": float(torch.rand((), generator=gen)) if s % 4 == 0 else None,
+        }
+        for s in range(13)
+    ]
     path = tmp_path / "metrics.csv"
     log = CsvLog(path, METRICS_COLUMNS, [])
     log.add(rows[:1])
@@ -84,7 +118,7 @@ def test_metrics_log_appends_and_resumes_to_exactly_the_uninterrupted_rows(tmp_p
     kept = _read_rows(path, resumed_at)
     assert [int(r["step"]) for r in kept] == list(range(resumed_at + 1))
     log = CsvLog(path, METRICS_COLUMNS, kept)
-    for row in rows[resumed_at + 1:]:
+    for row in rows[resumed_at + 1 :]:
         log.add([row])
     assert path.read_text() == uninterrupted
 

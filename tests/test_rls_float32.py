@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness import build_model, model_preset
-from harness.model import Trace
+from harness.model.decoder import Trace
 from variants import rls
 
 B, T, VOCAB = 2, 8, 512
@@ -54,7 +54,7 @@ def _models(layers: int, groups: int, key_dim: int, lam, alpha: float):
     mixer = ref.mixer
     with torch.no_grad():
         for mlp in mixer.keys:
-            w, b = mlp.fc2.weight[groups * key_dim:], mlp.fc2.bias[groups * key_dim:]
+            w, b = mlp.fc2.weight[groups * key_dim :], mlp.fc2.bias[groups * key_dim :]
             w.normal_(0.0, 0.5)
             b.copy_(8.0 * torch.randint(0, 2, b.shape, dtype=b.dtype).mul_(2).sub_(1))  # ω ≈ 7e-4 or ≈ 2
         if lam == "bounds":
@@ -91,9 +91,15 @@ def test_float32_reads_and_logits_match_the_float64_recursion(layers, groups, ke
     assert _rel(got_logits, want_logits) <= TOL
 
 
-@pytest.mark.parametrize("layers, groups, key_dim, lam, alpha", [
-    (24, 4, 4, 0.5, 1.0), (48, 16, 16, "bounds", 1.0), (48, 64, 12, 0.7, 0.1), (8, 16, 64, 0.5, 1.0),
-])
+@pytest.mark.parametrize(
+    "layers, groups, key_dim, lam, alpha",
+    [
+        (24, 4, 4, 0.5, 1.0),
+        (48, 16, 16, "bounds", 1.0),
+        (48, 64, 12, 0.7, 0.1),
+        (8, 16, 64, 0.5, 1.0),
+    ],
+)
 def test_bf16_error_within_twice_prelns_own(layers, groups, key_dim, lam, alpha, rng_seed):
     ref, fast = _models(layers, groups, key_dim, lam, alpha)
     preln = build_model(model_preset("tiny", n_blocks=layers // 2), "preln").to(torch.float64)
@@ -113,7 +119,7 @@ def test_hand_over_to_the_recursion_keeps_values_and_gradients(spec, monkeypatch
     dual = build_model(model_preset("tiny", n_blocks=3), spec).to(torch.float64)
     with torch.no_grad():
         for mlp in dual.mixer.keys:
-            mlp.fc2.bias[dual.mixer.G * dual.mixer.dk:].normal_()
+            mlp.fc2.bias[dual.mixer.G * dual.mixer.dk :].normal_()
     recurrent = copy.deepcopy(dual)
     recurrent.mixer.impl = "recurrent"
     calls = []

@@ -10,8 +10,25 @@ from harness.cli import main
 
 def test_selftest_on_cpu_writes_one_json_and_a_table(tmp_path, capsys):
     out = tmp_path / "selftest"
-    code = main(["selftest", "--device", "cpu", "--train-steps", "6", "--bench-preset", "tiny", "--bench-seq", "32",
-                 "--bench-batch", "2", "--bench-steps", "1", "--out", str(out)])
+    code = main(
+        [
+            "selftest",
+            "--device",
+            "cpu",
+            "--train-steps",
+            "6",
+            "--bench-preset",
+            "tiny",
+            "--bench-seq",
+            "32",
+            "--bench-batch",
+            "2",
+            "--bench-steps",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     report = json.loads((out / "selftest.json").read_text())
     assert code == 0 and report["ok"] and "all checks passed" in printed

@@ -16,19 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import UsageError
+from harness.errors import DepthmemError, UsageError
 from harness.io import read_json
 from harness.rundir import read_status
-from harness.errors import DepthmemError
-from harness.jobstate import sweep_status
-from harness.profiles import Profile
-from harness.submit import check_executor, plan, sweep
+from harness.sweeps.jobstate import sweep_status
+from harness.sweeps.profiles import Profile
+from harness.sweeps.submit import check_executor, plan, sweep
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 STEPS = 120
-TRAIN = (f"{{max_steps: {STEPS}, batch_size: 4, warmup_steps: 5, log_every_steps: 10, val_every_steps: 60, "
-         f"val_batches: 1, ckpt_every_steps: 10}}")
+TRAIN = (
+    f"{{max_steps: {STEPS}, batch_size: 4, warmup_steps: 5, log_every_steps: 10, val_every_steps: 60, "
+    f"val_batches: 1, ckpt_every_steps: 10}}"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,7 +48,8 @@ def cluster():
 
 def grid_file(folder: Path, name: str, seeds: list[int], profile: str = "local") -> Path:
     path = folder / f"{name}.yaml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         name: {name}
         profile: {profile}
         parallelism: 2
@@ -56,7 +58,8 @@ def grid_file(folder: Path, name: str, seeds: list[int], profile: str = "local")
           train: {TRAIN}
         axes:
           train.seed: {seeds}
-        """))
+        """)
+    )
     return path
 
 
@@ -81,8 +84,21 @@ def job_state(job_id: str) -> str:
 
 
 def sacct_times(job_ids: list[str]) -> list[tuple[datetime, datetime]]:
-    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", ",".join(sorted({j.split("_")[0] for j in job_ids})),
-                          "-o", "JobID,Start,End"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "sacct",
+            "-n",
+            "-P",
+            "-X",
+            "-j",
+            ",".join(sorted({j.split("_")[0] for j in job_ids})),
+            "-o",
+            "JobID,Start,End",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     spans = []
     for line in out.splitlines():
         jid, start, end = line.split("|")
@@ -172,8 +188,10 @@ def test_requeue_resumes_from_the_checkpoint_with_the_same_loss(array_sweep):
 def test_two_tasks_run_ddp_and_match_one_process(array_sweep):
     tmp, _, root, sub, _ = array_sweep
     profile = tmp / "two-tasks.yaml"
-    profile.write_text("partition: debug\ntime_min: 20\ntasks_per_node: 2\ncpus_per_task: 1\nmem_gb: 2\n"
-                       "setup: ['export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK']\n")
+    profile.write_text(
+        "partition: debug\ntime_min: 20\ntasks_per_node: 2\ncpus_per_task: 1\nmem_gb: 2\n"
+        "setup: ['export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK']\n"
+    )
     grid = grid_file(tmp, "ddp", [0], profile=str(profile))
     ddp = sweep(grid, executor="slurm", root=root, wait=True, poll_s=1.0, log=lambda _: None)
     (rid,) = ddp.jobs

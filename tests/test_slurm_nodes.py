@@ -22,13 +22,21 @@ from harness.cli import main
 from harness.config import build_config
 from harness.io import read_json
 from harness.rundir import read_config, read_status
-from harness.training import train
+from harness.training.trainer import train
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 STEPS = 60
-TRAIN = {"max_steps": STEPS, "batch_size": 4, "micro_batch_size": 1, "warmup_steps": 5, "log_every_steps": 10,
-         "val_every_steps": 30, "val_batches": 1, "ckpt_every_steps": 10}
+TRAIN = {
+    "max_steps": STEPS,
+    "batch_size": 4,
+    "micro_batch_size": 1,
+    "warmup_steps": 5,
+    "log_every_steps": 10,
+    "val_every_steps": 30,
+    "val_batches": 1,
+    "ckpt_every_steps": 10,
+}
 
 
 def _namespaces_reason() -> str | None:
@@ -45,10 +53,14 @@ def two_nodes():
     if reason:
         pytest.skip(reason)
     try:
-        out = subprocess.run(["sinfo", "-h", "-p", "multi", "-o", "%D %T"], capture_output=True, text=True,
-                             timeout=15)
-        up = out.returncode == 0 and sum(int(line.split()[0]) for line in out.stdout.splitlines()
-                                         if re.search(r"idle|mixed|allocated", line)) >= 2
+        out = subprocess.run(["sinfo", "-h", "-p", "multi", "-o", "%D %T"], capture_output=True, text=True, timeout=15)
+        up = (
+            out.returncode == 0
+            and sum(
+                int(line.split()[0]) for line in out.stdout.splitlines() if re.search(r"idle|mixed|allocated", line)
+            )
+            >= 2
+        )
     except (OSError, subprocess.TimeoutExpired):
         up = False
     if not up:
@@ -78,10 +90,13 @@ def submitted(tmp_path_factory):
     """Seeds 0 and 1 on two nodes each, submitted with ``depthmem sweep``; seed 1 is requeued mid-run."""
     tmp = tmp_path_factory.mktemp("nodes")
     profile = tmp / "two-nodes.yaml"
-    profile.write_text("partition: multi\nnodes: 2\ntasks_per_node: 1\ncpus_per_task: 1\nmem_gb: 2\ntime_min: 20\n"
-                       "array_parallelism: 2\nsetup: ['export OMP_NUM_THREADS=1']\n")
+    profile.write_text(
+        "partition: multi\nnodes: 2\ntasks_per_node: 1\ncpus_per_task: 1\nmem_gb: 2\ntime_min: 20\n"
+        "array_parallelism: 2\nsetup: ['export OMP_NUM_THREADS=1']\n"
+    )
     grid = tmp / "nodes.yaml"
-    grid.write_text(textwrap.dedent(f"""
+    grid.write_text(
+        textwrap.dedent(f"""
         name: nodes
         profile: {profile}
         base:
@@ -89,7 +104,8 @@ def submitted(tmp_path_factory):
           train: {TRAIN}
         axes:
           train.seed: [0, 1]
-        """))
+        """)
+    )
     root = tmp / "results"
     assert main(["sweep", str(grid), "--executor", "slurm", "--results", str(root)]) == 0
     record = read_json(root / "nodes" / "sweep.json")
@@ -102,18 +118,28 @@ def submitted(tmp_path_factory):
 
     job_id = _wait(lambda: past(20), 600, "the seed-1 run to pass step 20")
     subprocess.run(["scontrol", "requeue", str(job_id)], check=True)  # what a preemption does to the job
-    _wait(lambda: subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True,
-                                 text=True).stdout.strip() == "PENDING", 120, "the job to be pending again")
+    _wait(
+        lambda: (
+            subprocess.run(
+                ["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True
+            ).stdout.strip()
+            == "PENDING"
+        ),
+        120,
+        "the job to be pending again",
+    )
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     for rid in runs:
-        _wait(lambda: read_status(root / "nodes" / rid).get("state") in ("done", "failed", "diverged"), 900,
-              f"{rid} to finish")
+        _wait(
+            lambda rid=rid: read_status(root / "nodes" / rid).get("state") in ("done", "failed", "diverged"),
+            900,
+            f"{rid} to finish",
+        )
     return tmp, root, runs, str(job_id)
 
 
 def _single_process(tmp: Path, seed: int) -> Path:
-    cfg = build_config({"model": {"preset": "tiny"},
-                        "train": {**TRAIN, "micro_batch_size": 0, "seed": seed}})
+    cfg = build_config({"model": {"preset": "tiny"}, "train": {**TRAIN, "micro_batch_size": 0, "seed": seed}})
     return train(cfg, tmp / f"single-s{seed}")
 
 
@@ -123,8 +149,9 @@ def test_a_two_node_run_spans_both_hosts_and_matches_one_process(submitted):
     status = read_status(run_dir)
     assert status["state"] == "done", status
     job = str(status["job_id"])
-    nodelist = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "NodeList"], capture_output=True,
-                              text=True, check=True).stdout.split()
+    nodelist = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-j", job, "-o", "NodeList"], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert nodelist and nodelist[-1] == "dmnode[1-2]"
     jobs = root / "nodes" / "jobs"
     err = (jobs / f"{job}_0_log.err").read_text() + (jobs / f"{job}_1_log.err").read_text()
@@ -151,4 +178,5 @@ def test_a_requeued_two_node_job_resumes(submitted):
     assert steps == sorted(set(steps)) and steps[-1] == STEPS
     single = _single_process(tmp, 1)
     assert read_json(run_dir / "summary.json")["val_loss"] == pytest.approx(
-        read_json(single / "summary.json")["val_loss"], rel=1e-5)
+        read_json(single / "summary.json")["val_loss"], rel=1e-5
+    )

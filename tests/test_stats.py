@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from harness.stats import ONE_SEED, PAIRED, WELCH, compare, mean_ci, welch_ci
+from harness.reporting.stats import ONE_SEED, PAIRED, WELCH, compare, mean_ci, welch_ci
 
 
 def test_paired_interval_is_the_t_interval_of_per_seed_differences():

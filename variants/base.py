@@ -92,7 +92,7 @@ class DepthMixer(nn.Module, abc.ABC):
         return sum(p.numel() for p in self.parameters())
 
     def learned_statistics(self, trace) -> dict:
-        """What the mixer learned, as plain JSON numbers, from a ``harness.model.Trace`` of one forward pass (e.g.
+        """What the mixer learned, as plain JSON numbers, from the trace of one forward pass (e.g.
         forgetting factors and importance weights per layer); empty for a mixer that has nothing of the kind."""
         return {}
 

@@ -65,7 +65,8 @@ class DenseFormer(DepthMixer):
         self.n_dwa = (n_layers + 1) // 2
         # alphas[i] weighs X_0 .. X_{i+1} after block i + 1: the identity, i.e. all weight on the newest.
         self.alphas = nn.ParameterList(
-            nn.Parameter(torch.cat([torch.zeros(i + 1), torch.ones(1)])) for i in range(self.n_dwa))
+            nn.Parameter(torch.cat([torch.zeros(i + 1), torch.ones(1)])) for i in range(self.n_dwa)
+        )
 
     impl: Literal["fused", "reference"] = "fused"
 

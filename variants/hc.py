@@ -29,8 +29,7 @@ class HyperConnections(ExpandedStream):
     @dataclass(kw_only=True, frozen=True)
     class Config:
         expansion: int = knob(4, "number of parallel residual streams n", allowed="an integer of at least 1")
-        dynamic: bool = knob(True, "input-dependent mixing weights (DHC) or static ones (SHC)",
-                             allowed="on or off")
+        dynamic: bool = knob(True, "input-dependent mixing weights (DHC) or static ones (SHC)", allowed="on or off")
 
         def __post_init__(self):
             if self.expansion < 1:

@@ -1,4 +1,4 @@
-"""Layers the decoder and the depth mixers both use, in a module below both: the trunk (``harness/model.py``)
+"""Layers the decoder and the depth mixers both use, in a module below both: the trunk (``harness/model/decoder.py``)
 and the mixers (``variants/``) import from here, never from each other."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Linear depth memory (LDM, spec §3) and its exact recursive-least-squares form (LDM-RLS, spec §4), with the
-ablation knobs of spec §5. Two streams: the residual ``x`` and a matrix memory ``M`` of ``G`` groups, group ``g`` holding
-``M^g ∈ R^{(d/G) × d_k}`` over the ``g``-th slice of the channels (LDM-RLS adds ``P^g ∈ R^{d_k × d_k}``).
+ablation knobs of spec §5. Two streams: the residual ``x`` and a matrix memory ``M`` of ``G`` groups, group ``g``
+holding ``M^g ∈ R^{(d/G) × d_k}`` over the ``g``-th slice of the channels (LDM-RLS adds ``P^g ∈ R^{d_k × d_k}``).
 Layer ``l`` reads ``a_l = x_{l-1} + concat_g(M^g_{l-1} q_l^g)`` and writes ``x_l = x_{l-1} + v_l`` and either
 ``M^g_l = M^g_{l-1} + v_l^g (k_l^g)ᵀ`` (``write=outer``) or one exact RLS step (``write=rls``, in
-``variants/rls.py``, its math in ``variants/rls.py``). Queries and keys are unit vectors per group from small per-layer MLPs on ``x_{l-1}``, or
+``variants/rls.py``). Queries and keys are unit vectors per group from small per-layer MLPs on ``x_{l-1}``, or
 with ``qk_source=read`` on the latest read (``variants/ldm_knobs.py``); the head reads like a layer with its own
 query MLP.
 
@@ -233,21 +233,33 @@ class LDM(DepthMixer):
 
     @dataclass(kw_only=True, frozen=True)
     class Config:
-        write: Literal["outer", "rls"] = knob("outer", "memory update: outer product or exact recursive least squares",
-                                               choices=("outer", "rls"))
+        write: Literal["outer", "rls"] = knob(
+            "outer", "memory update: outer product or exact recursive least squares", choices=("outer", "rls")
+        )
         read: Literal["residual+memory", "memory", "residual"] = knob(
-            "residual+memory", "a layer's input: x + Mq, Mq alone, or x alone (= PreLN)", choices=READS)
-        residual_write: bool = knob(True, "off: x_l = x_{l-1}, outputs go only into the memory",
-                                    choices=("on", "off"))
+            "residual+memory", "a layer's input: x + Mq, Mq alone, or x alone (= PreLN)", choices=READS
+        )
+        residual_write: bool = knob(True, "off: x_l = x_{l-1}, outputs go only into the memory", choices=("on", "off"))
         qk_source: Literal["residual", "read"] | None = knob(
-            None, "what the query and key MLPs read: the residual stream x, or the latest read (a layer's input); "
-            "read when residual_write=off", choices=ldm_knobs.QK_SOURCES)
+            None,
+            "what the query and key MLPs read: the residual stream x, or the latest read (a layer's input); "
+            "read when residual_write=off",
+            choices=ldm_knobs.QK_SOURCES,
+        )
         groups: int = knob(16, "memory groups G, each over d/G channels", allowed="a divisor of d_model")
-        key_dim: int = knob(0, "key width d_k of every group, fixed while groups vary; 0 means d_model / groups",
-                            allowed="a positive integer, or 0 for d_model / groups")
+        key_dim: int = knob(
+            0,
+            "key width d_k of every group, fixed while groups vary; 0 means d_model / groups",
+            allowed="a positive integer, or 0 for d_model / groups",
+        )
         qk_hidden: int = knob(64, "hidden width of the query and key MLPs", allowed="a positive integer")
-        lambda_: str | float = knob("learned", "forgetting factor λ (write=rls only)", name="lambda",
-                                    parse=_parse_lambda, allowed="learned or a number in (0, 1]")
+        lambda_: str | float = knob(
+            "learned",
+            "forgetting factor λ (write=rls only)",
+            name="lambda",
+            parse=_parse_lambda,
+            allowed="learned or a number in (0, 1]",
+        )
         omega: bool = knob(True, "importance weights ω from the key MLP (write=rls only)", choices=("on", "off"))
         alpha: float = knob(1.0, "ridge scale, P_{-1} = αI (write=rls only)", allowed="a number > 0")
 
@@ -262,27 +274,31 @@ class LDM(DepthMixer):
             if self.qk_source is None:  # frozen: set once here, so the config says what the model does
                 object.__setattr__(self, "qk_source", ldm_knobs.default_qk_source(self.residual_write))
             if self.qk_source not in ldm_knobs.QK_SOURCES:
-                raise ValueError(f"qk_source must be one of {', '.join(ldm_knobs.QK_SOURCES)}, "
-                                 f"got {self.qk_source!r}")
+                raise ValueError(f"qk_source must be one of {', '.join(ldm_knobs.QK_SOURCES)}, got {self.qk_source!r}")
             if not isinstance(self.groups, int) or self.groups < 1:
                 raise ValueError(f"groups must be a positive integer dividing d_model, got {self.groups!r}")
             if not isinstance(self.key_dim, int) or self.key_dim < 0:
-                raise ValueError(f"key_dim must be a positive integer, or 0 for d_model / groups, "
-                                 f"got {self.key_dim!r}")
+                raise ValueError(f"key_dim must be a positive integer, or 0 for d_model / groups, got {self.key_dim!r}")
             if not isinstance(self.qk_hidden, int) or self.qk_hidden < 1:
                 raise ValueError(f"qk_hidden must be a positive integer, got {self.qk_hidden!r}")
             lam = self.lambda_
-            if lam != "learned" and not (isinstance(lam, (int, float)) and not isinstance(lam, bool)
-                                         and 0.0 < lam <= 1.0):
+            if lam != "learned" and not (
+                isinstance(lam, (int, float)) and not isinstance(lam, bool) and 0.0 < lam <= 1.0
+            ):
                 raise ValueError(f"lambda must be learned or a number in (0, 1], got {lam!r}")
             if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
                 raise ValueError(f"alpha must be a number > 0, got {self.alpha!r}")
             if self.write == "outer":
-                for key, value, default in (("lambda", lam, "learned"), ("omega", self.omega, True),
-                                            ("alpha", self.alpha, 1.0)):
+                for key, value, default in (
+                    ("lambda", lam, "learned"),
+                    ("omega", self.omega, True),
+                    ("alpha", self.alpha, 1.0),
+                ):
                     if value != default:
-                        raise ValueError(f"{key} applies only to write=rls, so with write=outer it must stay "
-                                         f"{format_value(default)}, got {key}={format_value(value)}")
+                        raise ValueError(
+                            f"{key} applies only to write=rls, so with write=outer it must stay "
+                            f"{format_value(default)}, got {key}={format_value(value)}"
+                        )
             ldm_knobs.refuse_degenerate(self)
 
     def __init__(self, cfg: Config, *, d_model: int, n_layers: int):
@@ -311,13 +327,14 @@ class LDM(DepthMixer):
         # was written, so it gets a parameter-free placeholder instead of a query MLP that could never learn.
         self.queries = nn.ModuleList(
             SmallMLP(d_model, cfg.qk_hidden, G * self.dk) if (r > 0 or self.embed_write) else nn.Identity()
-            for r in range(n_layers + 1))
+            for r in range(n_layers + 1)
+        )
         # Initialization: PyTorch's default Linear init, so keys and queries are random unit vectors at step 0;
         # the ω outputs start at zero, so ω = 1 at step 0 (spec §4 leaves ω's init open).
         if self.omega_on:
             for mlp in self.keys:
-                nn.init.zeros_(mlp.fc2.weight[G * self.dk:])
-                nn.init.zeros_(mlp.fc2.bias[G * self.dk:])
+                nn.init.zeros_(mlp.fc2.weight[G * self.dk :])
+                nn.init.zeros_(mlp.fc2.bias[G * self.dk :])
         if self.rls and cfg.lambda_ == "learned":
             # One λ per write and group; the embedding write (read=memory) gets its own like any layer,
             # a detail the spec leaves open.
@@ -345,7 +362,7 @@ class LDM(DepthMixer):
         self.record("k", layer, k)
         if not self.rls:
             return k, None, None
-        omega = rls.importance_weight(z[..., G * dk:]) if self.omega_on else torch.ones_like(k[..., 0])
+        omega = rls.importance_weight(z[..., G * dk :]) if self.omega_on else torch.ones_like(k[..., 0])
         lam = self._lambda(n, k)
         self.record("omega", layer, omega)
         self.record("lambda", layer, lam)
@@ -380,8 +397,9 @@ class LDM(DepthMixer):
                 if state.exact is not None:  # already handed over: one more step of the recursion
                     exact = rls.rls_write(*state.exact, k.double(), v.double(), lam.double(), omega.double())
                     return state.keys, state.values, decay, state.grads, raw, exact
-                k, v, margin = rls.whiten(k, v, rls.ridge_diagonal(decay, omega, self.cfg.alpha),
-                                          state.keys, state.values, state.grads)
+                k, v, margin = rls.whiten(
+                    k, v, rls.ridge_diagonal(decay, omega, self.cfg.alpha), state.keys, state.values, state.grads
+                )
                 if margin < rls.min_margin(k.dtype):
                     # This write's δ² cancelled below the precision: the exact recursion from here on.
                     return state.keys, state.values, decay, state.grads, raw, rls.replay(raw, self.cfg.alpha)
@@ -413,7 +431,8 @@ class LDM(DepthMixer):
             elif reader < self.n_layers and self.cfg.qk_source == "residual":
                 # This layer's write keys the same x: both MLPs in one pass, the key output kept for the write.
                 q, state.pending[reader] = shared_input_mlps(
-                    src.to(dt), [self.queries[reader], self.keys[reader + self.embed_write]])
+                    src.to(dt), [self.queries[reader], self.keys[reader + self.embed_write]]
+                )
             else:
                 q = shared_input_mlps(src.to(dt), [self.queries[reader]])[0]
             q = self._unit(q.unflatten(-1, (self.G, self.dk)))  # (b, t, g, k)
@@ -435,8 +454,9 @@ class LDM(DepthMixer):
             P = None
             if self.uses_memory and self.rls:
                 dt = torch.promote_types(e.dtype, torch.float32)
-                P = rls.initial_inverse_covariance(self.cfg.alpha, (*e.shape[:2], self.G), self.dk,
-                                                   dtype=dt, device=e.device)
+                P = rls.initial_inverse_covariance(
+                    self.cfg.alpha, (*e.shape[:2], self.G), self.dk, dtype=dt, device=e.device
+                )
             state = LDMState(e, None, P, {})
         else:
             state = DualState(e, alpha=self.cfg.alpha if self.rls else None, pending={})
@@ -492,14 +512,14 @@ class LDM(DepthMixer):
                 weight = rls.read_weights(keys, rls.ridge_diagonal(decay, omega, self.cfg.alpha), q)
             else:
                 weight = (keys @ q.unsqueeze(-1)).squeeze(-1)  # k_iᵀ q, (b, t, g, n)
-            c[:, :, reader, held[0] + 1: held[-1] + 2] += weight.transpose(-1, -2).to(c.dtype)
+            c[:, :, reader, held[0] + 1 : held[-1] + 2] += weight.transpose(-1, -2).to(c.dtype)
         return c
 
     def stream_floats_per_token(self):
         """d for x, plus G·(d/G)·d_k for M and, with RLS, G·d_k² for P (nothing extra for read=residual)."""
         if not self.uses_memory:
             return self.d_model
-        return self.d_model + self.G * self.dv * self.dk + (self.G * self.dk ** 2 if self.rls else 0)
+        return self.d_model + self.G * self.dv * self.dk + (self.G * self.dk**2 if self.rls else 0)
 
     def extra_flops_per_token(self):
         """Analytic forward FLOPs per token over PreLN for the implementation that runs (``variants/ldm_costs.py``)."""
@@ -518,7 +538,12 @@ class LDM(DepthMixer):
         omega = []
         for layer in range(self.n_layers):
             w = trace.mixer[("omega", layer)].double()  # (b, t, g)
-            omega.append({"mean": float(w.mean()), "std": float(w.std(unbiased=False)),
-                          "min": float(w.min()), "max": float(w.max())})
+            omega.append(
+                {
+                    "mean": float(w.mean()),
+                    "std": float(w.std(unbiased=False)),
+                    "min": float(w.min()),
+                    "max": float(w.max()),
+                }
+            )
         return {"lambda": lam, "omega": omega}
-

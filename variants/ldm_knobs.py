@@ -18,9 +18,15 @@ from __future__ import annotations
 QK_SOURCES = ("residual", "read")
 
 # Knobs that only shape the memory, with the field defaults they must keep when nothing reads the memory.
-MEMORY_KNOBS = (("groups", "groups", 16), ("key_dim", "key_dim", 0), ("qk_hidden", "qk_hidden", 64),
-                ("qk_source", "qk_source", "residual"), ("lambda", "lambda_", "learned"), ("omega", "omega", True),
-                ("alpha", "alpha", 1.0))
+MEMORY_KNOBS = (
+    ("groups", "groups", 16),
+    ("key_dim", "key_dim", 0),
+    ("qk_hidden", "qk_hidden", 64),
+    ("qk_source", "qk_source", "residual"),
+    ("lambda", "lambda_", "learned"),
+    ("omega", "omega", True),
+    ("alpha", "alpha", 1.0),
+)
 
 
 def default_qk_source(residual_write: bool) -> str:
@@ -38,12 +44,16 @@ def refuse_degenerate(cfg) -> None:
     if cfg.read != "residual":
         return
     if not cfg.residual_write:
-        raise ValueError("read=residual with residual_write=off gives a model whose output ignores every layer "
-                         "(the residual stream stays the embedding and nothing reads the memory), so with "
-                         "read=residual keep residual_write=on, or use read=residual+memory or read=memory")
+        raise ValueError(
+            "read=residual with residual_write=off gives a model whose output ignores every layer "
+            "(the residual stream stays the embedding and nothing reads the memory), so with "
+            "read=residual keep residual_write=on, or use read=residual+memory or read=memory"
+        )
     for key, name, default in MEMORY_KNOBS:
         value = getattr(cfg, name)
         if value != default:
-            raise ValueError(f"with read=residual nothing reads the memory, so {key}={_text(value)} changes nothing "
-                             f"(the model is preln); leave {key} at {_text(default)}, or use read=residual+memory "
-                             f"or read=memory")
+            raise ValueError(
+                f"with read=residual nothing reads the memory, so {key}={_text(value)} changes nothing "
+                f"(the model is preln); leave {key} at {_text(default)}, or use read=residual+memory "
+                f"or read=memory"
+            )

@@ -24,5 +24,8 @@ from variants.rls import (  # noqa: F401  (the memory math, importable from the 
     whiten,
 )
 
-register("ldm-rls", defaults={"write": "rls"},
-         description="LDM with the exact recursive-least-squares memory: forgetting λ, importance ω, ridge α")(LDM)
+register(
+    "ldm-rls",
+    defaults={"write": "rls"},
+    description="LDM with the exact recursive-least-squares memory: forgetting λ, importance ω, ridge α",
+)(LDM)

@@ -87,8 +87,11 @@ class ManifoldHyperConnections(ExpandedStream):
     @dataclass(kw_only=True, frozen=True)
     class Config:
         expansion: int = knob(4, "number of parallel residual streams n", allowed="an integer of at least 1")
-        sinkhorn_iters: int = knob(20, "Sinkhorn-Knopp iterations projecting H^res onto doubly stochastic matrices",
-                                   allowed="an integer of at least 1")
+        sinkhorn_iters: int = knob(
+            20,
+            "Sinkhorn-Knopp iterations projecting H^res onto doubly stochastic matrices",
+            allowed="an integer of at least 1",
+        )
 
         def __post_init__(self):
             if self.expansion < 1:

@@ -53,7 +53,9 @@ class _RMSScale(torch.autograd.Function):
 
 
 def rms_scale(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``1 / sqrt(mean(x²) + eps)`` over the last axis, kept as an axis of 1: a gainless RMSNorm is ``x · rms_scale(x)``."""
+    """``1 / sqrt(mean(x²) + eps)`` over the last axis, kept as an axis of 1.
+
+    A gainless RMSNorm is ``x · rms_scale(x)``."""
     return _RMSScale.apply(x, eps)
 
 

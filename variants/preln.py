@@ -37,8 +37,12 @@ class PreLN(DepthMixer):
 
     @dataclass(kw_only=True, frozen=True)
     class Config:
-        match: str = knob("", "widen the MLPs to match the parameter count of this variant's model",
-                          parse=_parse_match, allowed="the name of another variant, e.g. ldm-rls(groups=4)")
+        match: str = knob(
+            "",
+            "widen the MLPs to match the parameter count of this variant's model",
+            parse=_parse_match,
+            allowed="the name of another variant, e.g. ldm-rls(groups=4)",
+        )
 
         def __post_init__(self):
             if self.match:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from torch.autograd.function import once_differentiable
 
 from variants.ops import _bdot
@@ -63,8 +62,9 @@ def initial_inverse_covariance(alpha: float, batch: tuple[int, ...], key_dim: in
     return eye.expand(*batch, key_dim, key_dim)
 
 
-def rls_write(M: torch.Tensor | None, P: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              lam: torch.Tensor, omega: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rls_write(
+    M: torch.Tensor | None, P: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, omega: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One exact RLS step for every leading index and group at once: the new ``(M, P)``.
 
     Shapes: ``M`` (..., g, v, k) or None for the zero memory, ``P`` (..., g, k, k), ``k`` (..., g, k),
@@ -85,8 +85,9 @@ def rls_write(M: torch.Tensor | None, P: torch.Tensor, k: torch.Tensor, v: torch
     return M, P
 
 
-def closed_form_memory(keys: torch.Tensor, values: torch.Tensor, lambdas: torch.Tensor, omegas: torch.Tensor,
-                       alpha: float) -> torch.Tensor:
+def closed_form_memory(
+    keys: torch.Tensor, values: torch.Tensor, lambdas: torch.Tensor, omegas: torch.Tensor, alpha: float
+) -> torch.Tensor:
     """The weighted, forgetting ridge solution after every write, by direct solve: (n, ..., v, k).
 
     ``M_n = (Σ_{i≤n} β_{n,i} ω_i v_i k_iᵀ)(Σ_{i≤n} β_{n,i} ω_i k_i k_iᵀ + α⁻¹ β_{n,-1} I)⁻¹``. Shapes: ``keys``
@@ -112,7 +113,9 @@ def closed_form_memory(keys: torch.Tensor, values: torch.Tensor, lambdas: torch.
 
 
 def ridge_diagonal(decay: torch.Tensor, omega: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``d_i = Π_{j≤i} λ_j / (α ω_i)``: write ``i``'s entry of the dual form's diagonal, from ``decay = Π_{j≤i} λ_j``."""
+    """``d_i = Π_{j≤i} λ_j / (α ω_i)``: write ``i``'s entry of the dual form's diagonal.
+
+    ``decay`` is ``Π_{j≤i} λ_j``."""
     return decay / (alpha * omega)
 
 
@@ -150,7 +153,7 @@ class _Whiten(torch.autograd.Function):
     def backward(ctx, dkt, dvt, _):
         k, kt, vt, delta, floored, *rest = ctx.saved_tensors
         n = len(rest) // 3
-        coeffs, keys, values = rest[:n], rest[n:2 * n], rest[2 * n:]
+        coeffs, keys, values = rest[:n], rest[n : 2 * n], rest[2 * n :]
         if dkt is None:
             dkt = torch.zeros_like(kt)
         if dvt is None:
@@ -178,8 +181,14 @@ class _Whiten(torch.autograd.Function):
         return dk, dvr, dridge, None, *dkeys, *dvalues
 
 
-def whiten(k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, keys: tuple[torch.Tensor, ...],
-           values: tuple[torch.Tensor, ...], grads: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+def whiten(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ridge: torch.Tensor,
+    keys: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+    grads: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The whitened write ``(k̃_n, ṽ_n)``: ``(k, v)`` with the earlier whitened writes projected out, over ``δ``; and
     the margin ``min δ² / (|k|² + d_n)`` over every leading index and group (a float; 1 for the first write).
 

@@ -38,44 +38,72 @@ def _variant_list(text: str) -> list[str]:
 
 
 def add_parser(sub):
-    p = sub.add_parser("bench", help="time and memory of every variant against preln",
-                       description="Measure forward+backward step time, tokens/s and peak memory of each variant, "
-                                   "interleaved with preln in one process, with the analytic floor, the targets "
-                                   "and how each cost grows with depth, width and sequence length.")
-    p.add_argument("--variants", type=_variant_list, default=None,
-                   help="comma-separated variant names with optional knobs (default: all registered)")
+    p = sub.add_parser(
+        "bench",
+        help="time and memory of every variant against preln",
+        description="Measure forward+backward step time, tokens/s and peak memory of each variant, "
+        "interleaved with preln in one process, with the analytic floor, the targets "
+        "and how each cost grows with depth, width and sequence length.",
+    )
+    p.add_argument(
+        "--variants",
+        type=_variant_list,
+        default=None,
+        help="comma-separated variant names with optional knobs (default: all registered)",
+    )
     p.add_argument("--preset", default=None, help="model preset (default: small)")
-    p.add_argument("--depths", default=None,
-                   help="depth-mixing layers L, even, comma-separated (default: the preset's)")
-    p.add_argument("--widths", default=None,
-                   help="model widths d, comma-separated (default: the preset's)")
+    p.add_argument(
+        "--depths", default=None, help="depth-mixing layers L, even, comma-separated (default: the preset's)"
+    )
+    p.add_argument("--widths", default=None, help="model widths d, comma-separated (default: the preset's)")
     p.add_argument("--seq", default=None, help="sequence lengths (default: 256)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 8)")
-    p.add_argument("--vocab", type=int, default=None,
-                   help="vocabulary size; the preset's GPT-2 50257 makes the LM head dominate at small width")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="vocabulary size; the preset's GPT-2 50257 makes the LM head dominate at small width",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default="float32", help="float32 or bf16 (autocast; state stays float32)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds over all variants (default: 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per model first (default: 2)")
     p.add_argument("--steps-per-repeat", type=int, default=1, help="steps averaged in one timing (default: 1)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the whole run (default: torch's current setting)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for the whole run (default: torch's current setting)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens (default: 0)")
     p.add_argument("--out", default="results/bench", help="folder for bench.csv and the plot")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: tiny preset, one depth, one repeat (explicit flags still win)")
-    p.add_argument("--compile", action="store_true",
-                   help="measure what torch.compile gains instead: each variant's step eager and compiled, "
-                        "at the first sequence length (writes compile.csv)")
-    p.add_argument("--no-references", action="store_true",
-                   help="skip timing each variant against the straightforward implementation of its own math")
-    p.add_argument("--require-quiet", action="store_true",
-                   help="refuse to start on a busy machine, and write nothing if it became busy (reference numbers)")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: tiny preset, one depth, one repeat (explicit flags still win)"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="measure what torch.compile gains instead: each variant's step eager and compiled, "
+        "at the first sequence length (writes compile.csv)",
+    )
+    p.add_argument(
+        "--no-references",
+        action="store_true",
+        help="skip timing each variant against the straightforward implementation of its own math",
+    )
+    p.add_argument(
+        "--require-quiet",
+        action="store_true",
+        help="refuse to start on a busy machine, and write nothing if it became busy (reference numbers)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
     loop = p.add_argument_group("training loop (--loop)")
-    loop.add_argument("--loop", action="store_true",
-                      help="instead: tokens/s of depthmem train against a bare PyTorch loop on the same work "
-                           "(default variants preln,ldm-rls)")
+    loop.add_argument(
+        "--loop",
+        action="store_true",
+        help="instead: tokens/s of depthmem train against a bare PyTorch loop on the same work "
+        "(default variants preln,ldm-rls)",
+    )
     loop.add_argument("--steps", type=int, default=51, help="optimizer steps per loop (default: 51)")
     loop.add_argument("--log-every", type=int, default=10, help="harness logging interval (default: 10)")
     loop.add_argument("--val-every", type=int, default=50, help="harness validation interval (default: 50)")
@@ -87,16 +115,26 @@ def add_parser(sub):
 def _run_compile(args, settings) -> int:
     from pathlib import Path
 
-    from harness.compile_bench import compile_gain
+    from harness.benchmarks.compile import compile_gain
     from harness.io import atomic_write_text
 
-    df = compile_gain(settings["variants"], preset=settings["preset"], seq_len=settings["seqs"][0],
-                      batch_size=settings["batch_size"], device=settings["device"], dtype=settings["dtype"],
-                      repeats=settings["repeats"], warmup=settings["warmup"], seed=settings["seed"],
-                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    df = compile_gain(
+        settings["variants"],
+        preset=settings["preset"],
+        seq_len=settings["seqs"][0],
+        batch_size=settings["batch_size"],
+        device=settings["device"],
+        dtype=settings["dtype"],
+        repeats=settings["repeats"],
+        warmup=settings["warmup"],
+        seed=settings["seed"],
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
     meta = df.attrs["meta"]
-    print(f"torch.compile against eager: preset {meta['preset']}, seq {meta['seq_len']}, batch {meta['batch_size']}, "
-          f"{meta['device']} {meta['dtype']}, {meta['threads']} threads, median of {meta['repeats']} alternating steps")
+    print(
+        f"torch.compile against eager: preset {meta['preset']}, seq {meta['seq_len']}, batch {meta['batch_size']}, "
+        f"{meta['device']} {meta['dtype']}, {meta['threads']} threads, median of {meta['repeats']} alternating steps"
+    )
     print(df.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,22 +144,34 @@ def _run_compile(args, settings) -> int:
 
 
 def run_loop(args) -> int:
-    from harness import loop_bench as LB
+    from harness.benchmarks import loop as LB
 
     seqs = _int_list("--seq", args.seq) or [256]
     if len(seqs) != 1:
         raise UsageError(f"--loop takes one sequence length, got {args.seq!r}.")
-    settings = dict(variants=args.variants or ["preln", "ldm-rls"], preset=args.preset or "small",
-                    steps=args.steps, log_every=args.log_every, val_every=args.val_every,
-                    val_batches=args.val_batches, ckpt_every=args.ckpt_every, batch_size=args.batch_size or 8,
-                    seq_len=seqs[0], seed=args.seed, threads=args.threads, out_dir=args.out)
+    settings = dict(
+        variants=args.variants or ["preln", "ldm-rls"],
+        preset=args.preset or "small",
+        steps=args.steps,
+        log_every=args.log_every,
+        val_every=args.val_every,
+        val_batches=args.val_batches,
+        ckpt_every=args.ckpt_every,
+        batch_size=args.batch_size or 8,
+        seq_len=seqs[0],
+        seed=args.seed,
+        threads=args.threads,
+        out_dir=args.out,
+    )
     if args.dry_run:
         for key, value in settings.items():
             print(f"{key}: {value}")
         return 0
     df = LB.loop_bench(**settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    print(f"harness (depthmem train) against a bare loop, steps 2..{args.steps}: harness_cost = harness time / "
-          "mean time of the bare runs before and after it - 1")
+    print(
+        f"harness (depthmem train) against a bare loop, steps 2..{args.steps}: harness_cost = harness time / "
+        "mean time of the bare runs before and after it - 1"
+    )
     print(LB.format_table(df))
     if df["busy"].any():
         print("\nthe machine was busy during a row marked busy: its numbers are not reference numbers")
@@ -132,19 +182,33 @@ def run_loop(args) -> int:
 def run(args) -> int:
     if args.loop:
         return run_loop(args)
-    from harness import benchmark as B
+    from harness.benchmarks import benchmark as B
 
     settings = dict(preset="small", depths=None, seqs=[256], batch_size=8, repeats=5, warmup=2)
     if args.quick:
         settings.update(QUICK)
-    given = dict(preset=args.preset, depths=_int_list("--depths", args.depths),
-                 seqs=_int_list("--seq", args.seq), batch_size=args.batch_size, repeats=args.repeats,
-                 warmup=args.warmup)
+    given = dict(
+        preset=args.preset,
+        depths=_int_list("--depths", args.depths),
+        seqs=_int_list("--seq", args.seq),
+        batch_size=args.batch_size,
+        repeats=args.repeats,
+        warmup=args.warmup,
+    )
     settings.update({k: v for k, v in given.items() if v is not None})
-    settings.update(variants=args.variants, widths=_int_list("--widths", args.widths), device=args.device,
-                    dtype=args.dtype, vocab=args.vocab, threads=args.threads, steps_per_repeat=args.steps_per_repeat,
-                    seed=args.seed, out_dir=args.out, references=not args.no_references,
-                    require_quiet=args.require_quiet)
+    settings.update(
+        variants=args.variants,
+        widths=_int_list("--widths", args.widths),
+        device=args.device,
+        dtype=args.dtype,
+        vocab=args.vocab,
+        threads=args.threads,
+        steps_per_repeat=args.steps_per_repeat,
+        seed=args.seed,
+        out_dir=args.out,
+        references=not args.no_references,
+        require_quiet=args.require_quiet,
+    )
     if args.dry_run:
         settings["variants"] = B.resolve_variants(args.variants)
         for key, value in settings.items():
@@ -155,16 +219,22 @@ def run(args) -> int:
         return _run_compile(args, settings)
     df = B.bench(**settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     meta = df.attrs["meta"]
-    print(f"device {meta['device']} {meta['gpu']}".rstrip() + f", dtype {meta['dtype']}, threads {meta['threads']}, "
-          f"batch {meta['batch_size']}, vocab {meta['vocab_size']}, repeats {meta['repeats']} "
-          f"(median; ratio against the mean of the two preln steps around each), warm-up {meta['warmup']}; "
-          f"load average {meta['loadavg_before']} -> {meta['loadavg_after']} on {meta['cpu_count']} CPUs")
+    print(
+        f"device {meta['device']} {meta['gpu']}".rstrip() + f", dtype {meta['dtype']}, threads {meta['threads']}, "
+        f"batch {meta['batch_size']}, vocab {meta['vocab_size']}, repeats {meta['repeats']} "
+        f"(median; ratio against the mean of the two preln steps around each), warm-up {meta['warmup']}; "
+        f"load average {meta['loadavg_before']} -> {meta['loadavg_after']} on {meta['cpu_count']} CPUs"
+    )
     if meta["busy"]:
-        print("BUSY: other work competed for the cores during this run (load average above); its ratios are "
-              "guidance, not reference numbers")
-    print(f"memory: {meta['memory_method']}; floor_time_ratio = 1 + extra FLOPs / model FLOPs per token; "
-          f"state_B_per_tok = stream floats x 4 bytes; ratio_*_vs_ref = this implementation over the "
-          f"straightforward one of the same math (ref_impl; preln: the plain pre-norm trunk)")
+        print(
+            "BUSY: other work competed for the cores during this run (load average above); its ratios are "
+            "guidance, not reference numbers"
+        )
+    print(
+        f"memory: {meta['memory_method']}; floor_time_ratio = 1 + extra FLOPs / model FLOPs per token; "
+        f"state_B_per_tok = stream floats x 4 bytes; ratio_*_vs_ref = this implementation over the "
+        f"straightforward one of the same math (ref_impl; preln: the plain pre-norm trunk)"
+    )
     print(B.format_table(df))
     print()
     for line in B.scaling_lines(B.scaling(df)):

@@ -4,19 +4,27 @@ from __future__ import annotations
 
 
 def add_parser(sub):
-    p = sub.add_parser("cancel", help="cancel the queued and running jobs of a sweep",
-                       description="Cancel every queued or running job of SWEEP (scancel on SLURM; on this machine "
-                                   "each run's process group is stopped) and mark its runs cancelled; the same "
-                                   "`depthmem sweep FILE` later resumes them from their checkpoints.")
+    p = sub.add_parser(
+        "cancel",
+        help="cancel the queued and running jobs of a sweep",
+        description="Cancel every queued or running job of SWEEP (scancel on SLURM; on this machine "
+        "each run's process group is stopped) and mark its runs cancelled; the same "
+        "`depthmem sweep FILE` later resumes them from their checkpoints.",
+    )
     p.add_argument("sweep", metavar="SWEEP", help="sweep name (results/<name>) or grid file")
-    p.add_argument("--results", "--results-dir", dest="results", metavar="DIR",
-                   help="results root (default: $DEPTHMEM_RESULTS or ./results)")
+    p.add_argument(
+        "--results",
+        "--results-dir",
+        dest="results",
+        metavar="DIR",
+        help="results root (default: $DEPTHMEM_RESULTS or ./results)",
+    )
     return p
 
 
 def run(args) -> int:
     from harness.io import read_json
-    from harness.jobstate import cancel, resolve_sweep_dir
+    from harness.sweeps.jobstate import cancel, resolve_sweep_dir
 
     cancelled = cancel(args.sweep, args.results)
     if cancelled:

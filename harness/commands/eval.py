@@ -7,43 +7,71 @@ import json
 
 def add_parser(sub):
     p = sub.add_parser(
-        "eval", help="evaluate a checkpoint on downstream benchmarks through lm-eval",
+        "eval",
+        help="evaluate a checkpoint on downstream benchmarks through lm-eval",
         description="Evaluate a run directory or .ckpt file with lm-eval. Writes lm-eval's results JSON "
-                    "(eval/results_<iso-time>.json) and eval/table.csv (task, metric, value, stderr) into the "
-                    "run directory. The offline suite reads benchmark data from disk; other lm-eval task names "
-                    "need the Hugging Face hub.")
+        "(eval/results_<iso-time>.json) and eval/table.csv (task, metric, value, stderr) into the "
+        "run directory. The offline suite reads benchmark data from disk; other lm-eval task names "
+        "need the Hugging Face hub.",
+    )
     p.add_argument("path", metavar="RUN_DIR_OR_CHECKPOINT", help="a run directory or a .ckpt file")
-    p.add_argument("--tasks", required=True, metavar="SUITE_OR_NAMES",
-                   help="comma-separated: the suite 'offline', offline_* tasks (offline_sciq is opt-in), "
-                        "or lm-eval task names")
+    p.add_argument(
+        "--tasks",
+        required=True,
+        metavar="SUITE_OR_NAMES",
+        help="comma-separated: the suite 'offline', offline_* tasks (offline_sciq is opt-in), or lm-eval task names",
+    )
     p.add_argument("--limit", type=int, default=None, metavar="N", help="documents per task (default: all)")
     p.add_argument("--batch-size", type=int, default=16, metavar="N", help="sequences per forward pass (default 16)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--out", default=None, metavar="DIR", help="write here instead of RUN_DIR/eval")
-    p.add_argument("--bootstrap-iters", type=int, default=1000, metavar="N",
-                   help="bootstrap draws for stderrs without a closed form, 0 to skip (default 1000)")
+    p.add_argument(
+        "--bootstrap-iters",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="bootstrap draws for stderrs without a closed form, 0 to skip (default 1000)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be evaluated and exit")
     return p
 
 
 def run(args) -> int:
-    from harness.evaluation import check_options, evaluate, parse_tasks, run_directory
+    from harness.evaluation.evaluator import check_options, evaluate, parse_tasks, run_directory
 
     check_options(limit=args.limit, batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)
     if args.dry_run:
         from pathlib import Path
 
         out = args.out or str(run_directory(Path(args.path)) / "eval")
-        print(json.dumps({"checkpoint": args.path, "tasks": parse_tasks(args.tasks), "limit": args.limit,
-                          "batch_size": args.batch_size, "device": args.device, "out": out,
-                          "bootstrap_iters": args.bootstrap_iters}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "checkpoint": args.path,
+                    "tasks": parse_tasks(args.tasks),
+                    "limit": args.limit,
+                    "batch_size": args.batch_size,
+                    "device": args.device,
+                    "out": out,
+                    "bootstrap_iters": args.bootstrap_iters,
+                },
+                indent=2,
+            )
+        )
         return 0
-    from lm_eval.utils import make_table
-
     from pathlib import Path
 
-    results = evaluate(args.path, args.tasks, limit=args.limit, batch_size=args.batch_size, out_dir=args.out,
-                       device=args.device, bootstrap_iters=args.bootstrap_iters)
+    from lm_eval.utils import make_table
+
+    results = evaluate(
+        args.path,
+        args.tasks,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        out_dir=args.out,
+        device=args.device,
+        bootstrap_iters=args.bootstrap_iters,
+    )
     print(make_table(results))
     out = Path(args.out) if args.out else run_directory(Path(args.path)) / "eval"
     print(f"depthmem: wrote lm-eval's results_*.json, table.csv and tasks.json in {out}")

@@ -18,16 +18,20 @@ _TAKES_INCLUDE_PATH = ("run", "ls", "validate")
 
 
 def add_parser(sub):
-    p = sub.add_parser("lm-eval", help="lm-eval's own command line with the depthmem model registered",
-                       description="Run lm-eval's command line (run, ls, validate) with --model depthmem "
-                                   "available and the offline tasks on its include path.", add_help=False)
+    p = sub.add_parser(
+        "lm-eval",
+        help="lm-eval's own command line with the depthmem model registered",
+        description="Run lm-eval's command line (run, ls, validate) with --model depthmem "
+        "available and the offline tasks on its include path.",
+        add_help=False,
+    )
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for lm-eval, unchanged")
     return p
 
 
 def lm_eval_argv(rest: list[str]) -> list[str]:
     """The arguments handed to lm-eval: the user's, plus the offline suite's folder when none is named."""
-    from harness.tasks import TASKS_DIR
+    from harness.evaluation.tasks import TASKS_DIR
 
     argv = list(rest)
     named = any(a == "--include_path" or a.startswith("--include_path=") for a in argv)
@@ -51,11 +55,12 @@ def lm_eval_argv(rest: list[str]) -> list[str]:
 
 
 def run(args) -> int:
-    from harness.evaluation import prepare_environment
+    from harness.evaluation.evaluator import prepare_environment
 
     prepare_environment(offline=False)
-    import harness.lm_adapter  # noqa: F401  (registers the "depthmem" model with lm-eval)
     from lm_eval.__main__ import cli_evaluate
+
+    import harness.evaluation.lm_adapter  # noqa: F401  (registers the "depthmem" model with lm-eval)
 
     # lm-eval's parser reads sys.argv itself, including its legacy form without a subcommand.
     saved = sys.argv
@@ -66,11 +71,13 @@ def run(args) -> int:
         # lm-eval's own words for a misspelt task name, turned into one sentence without a traceback.
         if not str(e).startswith("Tasks not found"):
             raise
-        from harness.tasks import KNOWN_NAMES
+        from harness.evaluation.tasks import KNOWN_NAMES
 
         missing = str(e).split(":", 1)[-1].strip()
-        raise UsageError(f"Unknown lm-eval task {missing}; the offline tasks are {', '.join(KNOWN_NAMES)}, and "
-                         "`depthmem lm-eval ls tasks` lists lm-eval's own.") from None
+        raise UsageError(
+            f"Unknown lm-eval task {missing}; the offline tasks are {', '.join(KNOWN_NAMES)}, and "
+            "`depthmem lm-eval ls tasks` lists lm-eval's own."
+        ) from None
     finally:
         sys.argv = saved
     return 0

@@ -6,16 +6,24 @@ import json
 
 
 def add_parser(sub):
-    p = sub.add_parser("report", help="write a sweep's tables, figures and REPORT.md from its results",
-                       description="Turn a sweep's run directories into Markdown/LaTeX tables, seaborn figures and "
-                                   "REPORT.md, deterministically and without retraining. SWEEP is a sweep name "
-                                   "under results/, a sweep folder, or a grid file whose report: section says what "
-                                   "to produce.")
+    p = sub.add_parser(
+        "report",
+        help="write a sweep's tables, figures and REPORT.md from its results",
+        description="Turn a sweep's run directories into Markdown/LaTeX tables, seaborn figures and "
+        "REPORT.md, deterministically and without retraining. SWEEP is a sweep name "
+        "under results/, a sweep folder, or a grid file whose report: section says what "
+        "to produce.",
+    )
     p.add_argument("sweep", metavar="SWEEP", help="sweep name under results/, a sweep folder, or a grid .yaml file")
     p.add_argument("--out", metavar="DIR", help="where to write the report (default: the sweep folder)")
     p.add_argument("--bench", metavar="CSV", help="benchmark CSV from `depthmem bench` (default: SWEEP/bench.csv)")
-    p.add_argument("--results", "--results-dir", dest="results_dir", metavar="DIR",
-                   help="folder holding sweeps by name (default: $DEPTHMEM_RESULTS, else results)")
+    p.add_argument(
+        "--results",
+        "--results-dir",
+        dest="results_dir",
+        metavar="DIR",
+        help="folder holding sweeps by name (default: $DEPTHMEM_RESULTS, else results)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be read and written, then exit")
     return p
 
@@ -23,12 +31,16 @@ def add_parser(sub):
 def run(args) -> int:
     from dataclasses import asdict
 
-    from harness.reporting import report, resolve_target
+    from harness.reporting.report import report, resolve_target
 
     sweep_dir, spec = resolve_target(args.sweep, args.results_dir)
     if args.dry_run:
-        plan = {"sweep_dir": str(sweep_dir), "out_dir": args.out or str(sweep_dir), "bench": args.bench,
-                "spec": asdict(spec)}
+        plan = {
+            "sweep_dir": str(sweep_dir),
+            "out_dir": args.out or str(sweep_dir),
+            "bench": args.bench,
+            "spec": asdict(spec),
+        }
         print(json.dumps(plan, indent=2))
         return 0
     path = report(sweep_dir, out_dir=args.out, spec=spec, bench=args.bench)

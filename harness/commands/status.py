@@ -10,23 +10,37 @@ COLUMNS = ["state", "step", "loss", "val_loss", "job_id", "node", "reason"]
 
 
 def add_parser(sub):
-    p = sub.add_parser("status", help="show the runs of a sweep: grid values, state, step, loss, job, node, why",
-                       description="Show every run of SWEEP (a sweep name under the results root, or its grid "
-                                   "file) with one column per grid axis, its state, step, last loss, job id, node "
-                                   "and, for a run that stopped, the reason and the command that moves it on "
-                                   "(from status.json and the scheduler).")
+    p = sub.add_parser(
+        "status",
+        help="show the runs of a sweep: grid values, state, step, loss, job, node, why",
+        description="Show every run of SWEEP (a sweep name under the results root, or its grid "
+        "file) with one column per grid axis, its state, step, last loss, job id, node "
+        "and, for a run that stopped, the reason and the command that moves it on "
+        "(from status.json and the scheduler).",
+    )
     p.add_argument("sweep", metavar="SWEEP", help="sweep name (results/<name>) or grid file")
-    p.add_argument("--results", "--results-dir", dest="results", metavar="DIR",
-                   help="results root (default: $DEPTHMEM_RESULTS or ./results)")
+    p.add_argument(
+        "--results",
+        "--results-dir",
+        dest="results",
+        metavar="DIR",
+        help="results root (default: $DEPTHMEM_RESULTS or ./results)",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON (grid values typed)")
-    p.add_argument("--watch", nargs="?", const=5.0, type=float, metavar="SECONDS",
-                   help="refresh in place every SECONDS (default 5) with steps done/total and ETA per run; "
-                        "exits when no run is queued or running")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        const=5.0,
+        type=float,
+        metavar="SECONDS",
+        help="refresh in place every SECONDS (default 5) with steps done/total and ETA per run; "
+        "exits when no run is queued or running",
+    )
     return p
 
 
 def _progress(row) -> str:
-    from harness.training import duration
+    from harness.training.trainer import duration
 
     total = row.get("total_steps")
     step = row.get("step") or 0
@@ -37,7 +51,7 @@ def _progress(row) -> str:
 
 
 def table(rows) -> str:
-    from harness.jobstate import axis_columns, format_rows
+    from harness.sweeps.jobstate import axis_columns, format_rows
 
     axes = axis_columns(rows)
     for row in rows:
@@ -52,7 +66,7 @@ def table(rows) -> str:
 
 def run(args) -> int:
     from harness.errors import UsageError
-    from harness.jobstate import sweep_status
+    from harness.sweeps.jobstate import sweep_status
 
     if args.watch is not None and not args.watch > 0:
         raise UsageError(f"--watch takes a positive number of seconds, got {args.watch}.")

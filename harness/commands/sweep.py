@@ -5,41 +5,75 @@ from __future__ import annotations
 
 def add_parser(sub):
     p = sub.add_parser(
-        "sweep", help="run an ablation grid locally or on SLURM (idempotent: finished runs are skipped)",
+        "sweep",
+        help="run an ablation grid locally or on SLURM (idempotent: finished runs are skipped)",
         description="Expand the grid FILE (experiments/*.yaml) into runs under RESULTS/<sweep name>/<run id>/, "
-                    "validate them all, and submit the unfinished ones as job arrays through submitit. Submitting "
-                    "again skips finished and queued runs, resumes interrupted and cancelled ones from their "
-                    "checkpoint, evaluates finished runs on tasks added since, and reruns failed ones only with "
-                    "--retry-failed. KEY=VALUE arguments override the grid's base, e.g. train.max_steps=200.")
+        "validate them all, and submit the unfinished ones as job arrays through submitit. Submitting "
+        "again skips finished and queued runs, resumes interrupted and cancelled ones from their "
+        "checkpoint, evaluates finished runs on tasks added since, and reruns failed ones only with "
+        "--retry-failed. KEY=VALUE arguments override the grid's base, e.g. train.max_steps=200.",
+    )
     p.add_argument("grid", metavar="FILE", help="grid file with base, axes, zip, include and exclude")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override a base config field (Hydra style)")
-    p.add_argument("--set", dest="set_overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="the same as a KEY=VALUE argument (repeatable)")
-    p.add_argument("--executor", choices=("local", "slurm"), default=None,
-                   help="where the runs go (default: the profile's executor: slurm for a cluster profile, "
-                        "else this machine)")
-    p.add_argument("--profile", metavar="NAME|FILE",
-                   help="resource profile: a name in slurm/profiles/ (local, gpu-cluster, ...) or a YAML path "
-                        "(default: the grid's profile, else built-in defaults)")
+    p.add_argument(
+        "--set",
+        dest="set_overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="the same as a KEY=VALUE argument (repeatable)",
+    )
+    p.add_argument(
+        "--executor",
+        choices=("local", "slurm"),
+        default=None,
+        help="where the runs go (default: the profile's executor: slurm for a cluster profile, else this machine)",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="NAME|FILE",
+        help="resource profile: a name in slurm/profiles/ (local, gpu-cluster, ...) or a YAML path "
+        "(default: the grid's profile, else built-in defaults)",
+    )
     p.add_argument("--parallelism", type=int, metavar="N", help="most runs at once (default: grid, then profile)")
-    p.add_argument("--retry-failed", action="store_true",
-                   help="rerun runs that failed with an error or diverged (interrupted and cancelled runs resume "
-                        "without it)")
-    p.add_argument("--wandb-project", metavar="NAME", help="W&B project for train.logger=wandb (default: the sweep "
-                                                           "name)")
-    p.add_argument("--yes", action="store_true",
-                   help="run a cluster grid of more than a few runs on this machine, or submit a grid of more than "
-                        f"$DEPTHMEM_CONFIRM_RUNS runs (default {CONFIRM_RUNS}), without asking")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the runs and the resources requested, checking sbatch and the partition for "
-                        "--executor slurm; submit nothing")
+    p.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="rerun runs that failed with an error or diverged (interrupted and cancelled runs resume without it)",
+    )
+    p.add_argument(
+        "--wandb-project", metavar="NAME", help="W&B project for train.logger=wandb (default: the sweep name)"
+    )
+    p.add_argument(
+        "--yes",
+        action="store_true",
+        help="run a cluster grid of more than a few runs on this machine, or submit a grid of more than "
+        f"$DEPTHMEM_CONFIRM_RUNS runs (default {CONFIRM_RUNS}), without asking",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the runs and the resources requested, checking sbatch and the partition for "
+        "--executor slurm; submit nothing",
+    )
     wait = p.add_mutually_exclusive_group()
-    wait.add_argument("--wait", dest="wait", action="store_true", default=None,
-                      help="wait for the runs and print their results (the default with --executor local)")
-    wait.add_argument("--no-wait", dest="wait", action="store_false",
-                      help="return once submitted (the default with --executor slurm)")
-    p.add_argument("--results", "--results-dir", dest="results", metavar="DIR",
-                   help="results root (default: $DEPTHMEM_RESULTS or ./results)")
+    wait.add_argument(
+        "--wait",
+        dest="wait",
+        action="store_true",
+        default=None,
+        help="wait for the runs and print their results (the default with --executor local)",
+    )
+    wait.add_argument(
+        "--no-wait", dest="wait", action="store_false", help="return once submitted (the default with --executor slurm)"
+    )
+    p.add_argument(
+        "--results",
+        "--results-dir",
+        dest="results",
+        metavar="DIR",
+        help="results root (default: $DEPTHMEM_RESULTS or ./results)",
+    )
     return p
 
 
@@ -67,14 +101,16 @@ def confirm_limit() -> int:
 def check_size(grid_file: str, yes: bool) -> None:
     """Refuse, before anything is expanded or written, a grid larger than the limit unless --yes confirms it."""
     from harness.errors import UsageError
-    from harness.grid import combinations, load_grid
+    from harness.sweeps.grid import combinations, load_grid
 
     limit = confirm_limit()
     n = len(combinations(load_grid(grid_file)))
     if n > limit and not yes:
-        raise UsageError(f"The grid {grid_file} expands to {n:,} runs, more than the {limit:,} a submission takes "
-                         "without confirmation: check it with --dry-run, then submit again with --yes "
-                         "(DEPTHMEM_CONFIRM_RUNS sets the limit).")
+        raise UsageError(
+            f"The grid {grid_file} expands to {n:,} runs, more than the {limit:,} a submission takes "
+            "without confirmation: check it with --dry-run, then submit again with --yes "
+            "(DEPTHMEM_CONFIRM_RUNS sets the limit)."
+        )
 
 
 RESULT_COLUMNS = ["state", "val_loss", "val_bpb", "params", "tokens_per_s", "reason"]
@@ -89,27 +125,45 @@ def overrides_of(args) -> list[str]:
 
 def run(args) -> int:
     from harness.errors import UsageError
-    from harness.jobstate import axis_columns, format_rows
-    from harness.submit import check_executor, describe_plan, plan, sweep
+    from harness.sweeps.jobstate import axis_columns, format_rows
+    from harness.sweeps.submit import check_executor, describe_plan, plan, sweep
 
     if args.parallelism is not None and args.parallelism < 1:
         raise UsageError(f"--parallelism must be a positive integer, got {args.parallelism}.")
     overrides = overrides_of(args)
     if args.dry_run:
-        p = plan(args.grid, executor=args.executor, profile=args.profile, root=args.results,
-                 retry_failed=args.retry_failed, parallelism=args.parallelism, overrides=overrides)
+        p = plan(
+            args.grid,
+            executor=args.executor,
+            profile=args.profile,
+            root=args.results,
+            retry_failed=args.retry_failed,
+            parallelism=args.parallelism,
+            overrides=overrides,
+        )
         print(describe_plan(p))
         if args.executor == "slurm":  # asked for explicitly: can this machine submit it, and is the partition known?
             check_executor(p.executor, p.profile)
         return 0
     check_size(args.grid, args.yes)
-    sub = sweep(args.grid, executor=args.executor, profile=args.profile, root=args.results,
-                retry_failed=args.retry_failed, wait=args.wait, parallelism=args.parallelism, yes=args.yes,
-                overrides=overrides)
+    sub = sweep(
+        args.grid,
+        executor=args.executor,
+        profile=args.profile,
+        root=args.results,
+        retry_failed=args.retry_failed,
+        wait=args.wait,
+        parallelism=args.parallelism,
+        yes=args.yes,
+        overrides=overrides,
+    )
     waited = args.wait if args.wait is not None else sub.plan.executor == "local"
     if waited:
         print(format_rows(sub.rows, ["run_id", *axis_columns(sub.rows), *RESULT_COLUMNS]))
         return 0 if all(r["state"] == "done" for r in sub.rows) else 1
-    print(f"follow it with: depthmem status {sub.plan.grid.name}"
-          + (f" --results {args.results}" if args.results else "") + " --watch")
+    print(
+        f"follow it with: depthmem status {sub.plan.grid.name}"
+        + (f" --results {args.results}" if args.results else "")
+        + " --watch"
+    )
     return 0

@@ -7,18 +7,35 @@ import json
 
 def add_parser(sub):
     p = sub.add_parser(
-        "train", help="train one variant into a run directory (resumes an interrupted run)",
+        "train",
+        help="train one variant into a run directory (resumes an interrupted run)",
         description="Train one depth-mixing variant with Lightning into the run directory --out. Running the same "
-                    "command again resumes from the last checkpoint; a finished run returns at once.")
-    p.add_argument("--variant", help="depth mixer with optional knobs, e.g. 'ldm-rls(groups=4)' "
-                                     "(default: the config file's, else preln; list them with depthmem variants)")
-    p.add_argument("--preset", help="model size preset: tiny, cpu, small, gpt2-small or medium "
-                                    "(default: the config file's, else tiny)")
+        "command again resumes from the last checkpoint; a finished run returns at once.",
+    )
+    p.add_argument(
+        "--variant",
+        help="depth mixer with optional knobs, e.g. 'ldm-rls(groups=4)' "
+        "(default: the config file's, else preln; list them with depthmem variants)",
+    )
+    p.add_argument(
+        "--preset",
+        help="model size preset: tiny, cpu, small, gpt2-small or medium (default: the config file's, else tiny)",
+    )
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with config sections (model, data, train, ...)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="override config fields, e.g. train.lr=1e-3 model.n_blocks=4 (applied last)")
-    p.add_argument("--set", dest="set_overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="the same as a KEY=VALUE argument (repeatable)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="override config fields, e.g. train.lr=1e-3 model.n_blocks=4 (applied last)",
+    )
+    p.add_argument(
+        "--set",
+        dest="set_overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="the same as a KEY=VALUE argument (repeatable)",
+    )
     p.add_argument("--wandb-project", metavar="NAME", help="W&B project for train.logger=wandb")
     p.add_argument("--out", required=True, metavar="DIR", help="run directory to write (created if missing)")
     p.add_argument("--devices", type=int, help="processes on this node (CPU: DDP on gloo); sets train.devices")
@@ -53,8 +70,10 @@ def resolve(args):
         layers.append(read_yaml(args.config) or {})
     for flag, value in (("--preset", args.preset), ("--variant", args.variant)):
         if value is not None and not value.strip():
-            raise UsageError(f"{flag} is empty: give a name (list them with `depthmem variants`), or leave the "
-                             "flag out for the config's own.")
+            raise UsageError(
+                f"{flag} is empty: give a name (list them with `depthmem variants`), or leave the "
+                "flag out for the config's own."
+            )
     if args.preset:
         layers.append({"model": {"preset": args.preset}})
     if args.variant:
@@ -71,7 +90,6 @@ def resolve(args):
 
 def run(args) -> int:
     import variants
-
     from harness import preflight
     from harness.errors import UsageError
 
@@ -83,7 +101,7 @@ def run(args) -> int:
     if args.dry_run:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from harness.training import train
+    from harness.training.trainer import train
 
     run_dir = train(cfg, args.out, resume=not args.no_resume)
     print(f"depthmem: run directory {run_dir}")

@@ -6,8 +6,11 @@ import json
 
 
 def add_parser(sub):
-    p = sub.add_parser("variants", help="list depth-mixing variants, their knobs and allowed values",
-                       description="List every registered depth mixer with its knobs, allowed values and defaults.")
+    p = sub.add_parser(
+        "variants",
+        help="list depth-mixing variants, their knobs and allowed values",
+        description="List every registered depth mixer with its knobs, allowed values and defaults.",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--costs", action="store_true", help="print the cost model of every variant for a preset")
     p.add_argument("--preset", default="small", help="model preset for --costs (default: small)")
@@ -18,7 +21,7 @@ def run(args) -> int:
     import variants
 
     if args.costs:
-        from harness.costs import cost_table
+        from harness.model.costs import cost_table
 
         table = cost_table(args.preset)
         print(json.dumps(table.to_dict(orient="records"), indent=2) if args.json else table.to_string(index=False))

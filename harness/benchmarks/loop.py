@@ -1,0 +1,293 @@
+"""What the training harness costs: tokens/s of ``depthmem train`` against a bare PyTorch loop on the same work.
+
+The bare loop is what the harness wraps, written out: the same model built through the Python API from the same
+seed, AdamW with the same hyperparameters, gradient clipping and learning-rate schedule, the same batches of the
+same data (``harness.data.corpus.train_batch`` keyed by seed and step), and nothing else. The harness run is
+``harness.training.trainer.train`` (what ``depthmem train`` calls) with its logging, status file, checkpoints and
+validation at the intervals given. Both are timed over steps ``2 .. steps`` (the first step of each carries the
+warm-up, and the harness's validation at step 0 before it): the harness from the running rate it logs in
+``metrics.csv`` (its logged intervals tile that time exactly), the bare loop by the clock around the same steps.
+Every event the harness fires at a step below ``steps`` (validation, per-layer diagnostics, checkpoint) falls in the
+timed span, so with ``steps = k·val_every + 1`` it is counted at its real frequency.
+
+The loops run in the order bare, harness, bare in one process and the ratio is taken against the mean of the two
+bare runs, so a drift of the machine's load hits both sides. The load average before and after is recorded; a
+run that started on a busy machine is marked ``busy``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from harness.errors import UsageError
+
+COLUMNS = [
+    "variant",
+    "preset",
+    "steps",
+    "timed_steps",
+    "batch_size",
+    "seq_len",
+    "log_every",
+    "val_every",
+    "val_batches",
+    "ckpt_every",
+    "bare_tokens_per_s",
+    "bare_tokens_per_s_after",
+    "harness_tokens_per_s",
+    "harness_cost",
+    "harness_wall_s",
+    "threads",
+    "loadavg_before",
+    "loadavg_after",
+    "busy",
+]
+
+# The load average (1 min) above which a machine is called busy: more runnable tasks than this run's threads.
+BUSY_MARGIN = 0.5
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def is_busy(load: Sequence[float], threads: int) -> bool:
+    """Whether the 1-minute load average leaves less than the threads this run uses (beyond a small margin)."""
+    return bool(load) and load[0] > max(0, (os.cpu_count() or 1) - threads) + BUSY_MARGIN
+
+
+def run_config(
+    variant: str,
+    preset: str,
+    *,
+    steps: int,
+    log_every: int,
+    val_every: int,
+    val_batches: int,
+    ckpt_every: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+):
+    from harness.config import build_config
+
+    return build_config(
+        {
+            "model": {"preset": preset},
+            "variant": variant,
+            "train": {
+                "max_steps": steps,
+                "log_every_steps": log_every,
+                "val_every_steps": val_every,
+                "val_batches": val_batches,
+                "ckpt_every_steps": ckpt_every,
+                "batch_size": batch_size,
+                "seq_len": seq_len,
+                "seed": seed,
+            },
+        }
+    )
+
+
+def bare_loop(cfg, steps: int) -> float:
+    """Seconds of steps ``2 .. steps`` of the plain loop: forward, loss, backward, clip, AdamW, schedule."""
+    from harness.data import corpus as datalib
+    from harness.model.factory import build_model
+    from harness.training.trainer import lr_factor, seq_len_of
+
+    t = cfg.train
+    tokens = datalib.load_tokens(cfg, datalib.get_tokenizer(cfg)).train
+    torch.manual_seed(t.seed)
+    model = build_model(cfg.model, cfg.variant).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: lr_factor(
+            s,
+            total=steps,
+            warmup=t.warmup_steps,
+            schedule=t.schedule,
+            min_ratio=t.min_lr_ratio,
+            decay_fraction=t.decay_fraction,
+        ),
+    )
+    seq_len = seq_len_of(cfg)
+    start = None
+    for step in range(steps):
+        if step == 1:
+            start = time.perf_counter()
+        batch = torch.from_numpy(
+            datalib.train_batch(tokens, seed=t.seed, step=step, batch_size=t.batch_size, seq_len=seq_len)
+        )  # (b, t + 1)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if t.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        sched.step()
+        float(loss.detach())  # the loop reads its loss once per step, as any loop that reports one does
+    return time.perf_counter() - start
+
+
+def harness_loop(cfg, run_dir: Path) -> tuple[float, float]:
+    """(seconds of steps ``2 .. steps`` from the logged rates of ``train``, the run's whole wall time)."""
+    import csv
+
+    from harness.training.trainer import seq_len_of, train
+
+    started = time.perf_counter()
+    train(cfg, run_dir, resume=False)
+    wall = time.perf_counter() - started
+    per_step = cfg.train.batch_size * seq_len_of(cfg)
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["tokens_per_s"]]
+    seconds, last = 0.0, 1
+    for r in rows:
+        step = int(r["step"])
+        if step > 1:
+            seconds += (step - last) * per_step / float(r["tokens_per_s"])
+            last = step
+    return seconds, wall
+
+
+def loop_bench(
+    variants: Sequence[str] = ("preln", "ldm-rls"),
+    *,
+    preset: str = "small",
+    steps: int = 51,
+    log_every: int = 10,
+    val_every: int = 50,
+    val_batches: int = 3,
+    ckpt_every: int = 50,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    seed: int = 0,
+    threads: int | None = None,
+    out_dir: str | os.PathLike | None = None,
+    log: Callable[[str], None] | None = None,
+):
+    """Harness against bare-loop tokens/s for each variant; one row per variant (columns ``COLUMNS``)."""
+    import pandas as pd
+
+    import variants as registry
+
+    for label, value, least in (
+        ("--steps", steps, 3),
+        ("--log-every", log_every, 1),
+        ("--val-every", val_every, 1),
+        ("--val-batches", val_batches, 0),
+        ("--ckpt-every", ckpt_every, 1),
+        ("--batch-size", batch_size, 1),
+        ("--seq", seq_len, 2),
+    ):
+        if int(value) != value or value < least:
+            raise UsageError(f"{label} must be an integer of at least {least}, got {value}.")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be a positive integer, got {threads}.")
+    cfgs = {}
+    for name in variants:
+        cfg = run_config(
+            name,
+            preset,
+            steps=steps,
+            log_every=log_every,
+            val_every=val_every,
+            val_batches=val_batches,
+            ckpt_every=ckpt_every,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            seed=seed,
+        )
+        registry.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
+        if seq_len > cfg.model.max_seq_len:
+            raise UsageError(
+                f"--seq must not exceed the preset's max_seq_len ({cfg.model.max_seq_len}), got {seq_len}."
+            )
+        cfgs[name] = cfg
+
+    old_threads = torch.get_num_threads()
+    threads = threads or old_threads
+    torch.set_num_threads(threads)
+    rows = []
+    tokens = (steps - 1) * batch_size * seq_len
+    try:
+        with tempfile.TemporaryDirectory(prefix="depthmem-loop-") as tmp:
+            for name, cfg in cfgs.items():
+                load_before = _loadavg()
+                if log:
+                    log(f"{name}: bare loop, {steps} steps (load average {load_before})")
+                bare = bare_loop(cfg, steps)
+                if log:
+                    log(f"{name}: depthmem train, {steps} steps")
+                harness, wall = harness_loop(cfg, Path(tmp) / name.replace("(", "_").replace(")", "_"))
+                if log:
+                    log(f"{name}: bare loop again")
+                bare_after = bare_loop(cfg, steps)
+                load_after = _loadavg()
+                bare_rate, bare_after_rate = tokens / bare, tokens / bare_after
+                harness_rate = tokens / harness
+                rows.append(
+                    {
+                        "variant": cfg.variant,
+                        "preset": preset,
+                        "steps": steps,
+                        "timed_steps": steps - 1,
+                        "batch_size": batch_size,
+                        "seq_len": seq_len,
+                        "log_every": log_every,
+                        "val_every": val_every,
+                        "val_batches": val_batches,
+                        "ckpt_every": ckpt_every,
+                        "bare_tokens_per_s": bare_rate,
+                        "bare_tokens_per_s_after": bare_after_rate,
+                        "harness_tokens_per_s": harness_rate,
+                        # The harness's time over the mean time of the two bare runs around it, minus 1.
+                        "harness_cost": harness / ((bare + bare_after) / 2) - 1,
+                        "harness_wall_s": wall,
+                        "threads": threads,
+                        "loadavg_before": load_before,
+                        "loadavg_after": load_after,
+                        "busy": is_busy(load_before, threads) or is_busy(load_after, threads),
+                    }
+                )
+    finally:
+        torch.set_num_threads(old_threads)
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    if out_dir is not None:
+        from harness.io import atomic_write_text
+
+        atomic_write_text(Path(out_dir) / "loop_bench.csv", df.to_csv(index=False))
+    return df
+
+
+def format_table(df) -> str:
+    view = df[
+        [
+            "variant",
+            "timed_steps",
+            "bare_tokens_per_s",
+            "bare_tokens_per_s_after",
+            "harness_tokens_per_s",
+            "harness_cost",
+            "harness_wall_s",
+            "loadavg_before",
+            "loadavg_after",
+            "busy",
+        ]
+    ]
+    return view.to_string(index=False, float_format=lambda x: f"{x:.3f}" if abs(x) < 10 else f"{x:.0f}")
+
+
+__all__ = ["loop_bench", "bare_loop", "harness_loop", "format_table", "is_busy", "COLUMNS"]

@@ -1,0 +1,261 @@
+"""``REPORT.md`` for a sweep: every table inline, every figure linked, from the run directories alone.
+
+``report(sweep_dir)`` reads the sweep (``harness.reporting.results``), writes the tidy table (Parquet and CSV), the
+tables (Markdown, LaTeX, CSV) under ``tables/``, the figures (PNG, PDF) under ``figures/`` and ``REPORT.md``
+with relative links, so it reads on any Git host. Nothing is retrained and nothing is timestamped: the same
+results give the same files. What to produce comes from a ``ReportSpec``, usually the ``report:`` section of a
+grid file; a missing section means everything. Failed, diverged and unfinished runs are listed, never averaged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from harness.config import read_yaml
+from harness.errors import UsageError, did_you_mean
+from harness.io import atomic_write_text, remove_stale_temps, writable_dir
+from harness.reporting import figures as figs
+from harness.reporting import items as report_items
+from harness.reporting import tables as tabs
+from harness.reporting.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
+
+TABLES = report_items.names("table")
+FIGURES = report_items.names("figure")
+
+
+def results_root() -> Path:
+    """Where sweeps live by name: ``$DEPTHMEM_RESULTS``, else ``results``."""
+    return Path(os.environ.get("DEPTHMEM_RESULTS", "results"))
+
+
+@dataclass
+class ReportSpec:
+    """What a report holds: the ``report:`` section of a grid file (every key optional)."""
+
+    sweep: str | None = None
+    """The sweep name under results/ (or a folder); defaults to the grid's ``name``, else the file's stem."""
+    title: str | None = None
+    tables: list[str] = field(default_factory=lambda: list(TABLES))
+    figures: list[str] = field(default_factory=lambda: list(FIGURES))
+    baseline: str = "preln"
+    """The variant every difference and ratio is taken against."""
+    ablation_reference: str = "ldm-rls"
+    """The reference row of the LDM ablation table."""
+    bench: str | None = None
+    """A benchmark CSV; by default ``bench.csv`` in the sweep folder when it exists."""
+
+
+def _names(value: Any, allowed: tuple[str, ...], key: str, source: str) -> list[str]:
+    if value is None or value == "all":
+        return list(allowed)
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise UsageError(f"report.{key} in {source} must be a list of names from: {', '.join(allowed)}.")
+    for name in value:
+        if name not in allowed:
+            raise UsageError(
+                f"Unknown {key[:-1]} {name!r} in report.{key} of {source}.{did_you_mean(name, allowed)} "
+                f"Allowed: {', '.join(allowed)}."
+            )
+    return [n for n in allowed if n in value]  # fixed order, whatever order the file lists them in
+
+
+def report_spec(section: dict[str, Any] | ReportSpec | None, source: str = "the report section") -> ReportSpec:
+    """A validated ``ReportSpec`` from a ``report:`` mapping; ``None`` means everything."""
+    if isinstance(section, ReportSpec):
+        return section
+    if section is None:
+        return ReportSpec()
+    if not isinstance(section, dict):
+        raise UsageError(
+            f"The report section of {source} must be a mapping with keys "
+            f"{', '.join(f.name for f in fields(ReportSpec))}."
+        )
+    known = [f.name for f in fields(ReportSpec)]
+    for key in section:
+        if key not in known:
+            raise UsageError(
+                f"Unknown key {key!r} in the report section of {source}.{did_you_mean(key, known)} "
+                f"Allowed keys: {', '.join(known)}."
+            )
+    for key in ("sweep", "title", "baseline", "ablation_reference", "bench"):
+        if key in section and section[key] is not None and not isinstance(section[key], str):
+            raise UsageError(f"report.{key} in {source} must be a string.")
+    return ReportSpec(
+        sweep=section.get("sweep"),
+        title=section.get("title"),
+        tables=_names(section.get("tables"), TABLES, "tables", source),
+        figures=_names(section.get("figures"), FIGURES, "figures", source),
+        baseline=section.get("baseline") or "preln",
+        ablation_reference=section.get("ablation_reference") or "ldm-rls",
+        bench=section.get("bench"),
+    )
+
+
+def resolve_target(target: str | Path, root: str | Path | None = None) -> tuple[Path, ReportSpec]:
+    """The sweep folder and report spec named by a sweep name under the results root, a folder, or a grid file."""
+    base_dir = Path(root) if root is not None else results_root()
+    path = Path(target)
+    if path.is_file() and path.suffix in (".yaml", ".yml"):
+        grid = read_yaml(path, "grid file") or {}
+        if not isinstance(grid, dict):
+            raise UsageError(f"The grid file {path} must hold a mapping.")
+        spec = report_spec(grid.get("report"), str(path))
+        base = grid.get("base") if isinstance(grid.get("base"), dict) else {}
+        name = spec.sweep or grid.get("name") or base.get("name") or path.stem
+        folder = Path(spec.sweep) if spec.sweep and Path(spec.sweep).is_dir() else base_dir / str(name)
+        if not folder.is_dir():
+            raise UsageError(
+                f"The grid file {path} names the sweep {name!r}, but {folder} does not exist: "
+                "run the sweep first, or set report.sweep to its folder."
+            )
+        return folder, spec
+    if path.is_dir():
+        return path, ReportSpec()
+    if (base_dir / str(target)).is_dir():
+        return base_dir / str(target), ReportSpec()
+    known = sorted(p.name for p in base_dir.iterdir() if p.is_dir()) if base_dir.is_dir() else []
+    listing = f" Sweeps under {base_dir}/: {', '.join(known)}." if known else ""
+    raise UsageError(
+        f"No sweep {str(target)!r}: give a sweep name under {base_dir}/, a sweep folder, or a "
+        f"grid file (.yaml).{listing}"
+    )
+
+
+def _find_bench(sweep_dir: Path, bench: str | Path | None, notes: list[str]) -> pd.DataFrame | None:
+    if bench is not None and not Path(bench).is_file():
+        raise UsageError(f"The benchmark CSV {str(bench)!r} does not exist: give the file `depthmem bench` wrote.")
+    path = Path(bench) if bench is not None else sweep_dir / "bench.csv"
+    if not path.is_file():
+        return None
+    try:
+        return tabs.read_bench(path)
+    except (OSError, ValueError) as e:
+        if bench is not None:
+            raise UsageError(f"The benchmark CSV {path} cannot be used: {e}.") from None
+        notes.append(f"Skipped the benchmark CSV {path.name}: {e}.")
+        return None
+
+
+def _state_line(sweep: Sweep) -> str:
+    counts = Counter(r.state for r in sweep.runs)
+    parts = ", ".join(f"{counts[s]} {s}" for s in sorted(counts))
+    n = len(sweep.finished())
+    if n == len(sweep.runs):
+        return f"{n} run directories ({parts}); every one enters the averages."
+    counted = f"{n} finished run enters" if n == 1 else f"{n} finished runs enter"
+    return (
+        f"{len(sweep.runs)} run directories ({parts}); {counted} the averages, the others are listed under "
+        "*Runs not counted in any average*."
+    )
+
+
+def _table_section(table: tabs.Table, folder: Path, out_dir: Path) -> list[str]:
+    paths = tabs.write_table(table, folder)
+    rel = {k: p.relative_to(out_dir).as_posix() for k, p in paths.items()}
+    return [
+        f"## {table.title}",
+        "",
+        tabs.to_markdown(table),
+        "",
+        *[f"{n}" for n in table.notes],
+        "",
+        f"LaTeX: [{rel['tex']}]({rel['tex']}) · CSV: [{rel['csv']}]({rel['csv']})",
+        "",
+    ]
+
+
+def report(
+    sweep_dir: str | Path,
+    *,
+    out_dir: str | Path | None = None,
+    spec: ReportSpec | dict[str, Any] | None = None,
+    bench: str | Path | None = None,
+) -> Path:
+    """Write the sweep's tables, figures and ``REPORT.md`` (into ``out_dir``, default the sweep folder)."""
+    spec = report_spec(spec)
+    sweep_dir = Path(sweep_dir)
+    notes: list[str] = []
+    bench_frame = _find_bench(sweep_dir, bench if bench is not None else spec.bench, notes)
+    sweep = load_sweep(sweep_dir)
+    if not sweep.runs:
+        raise UsageError(f"No run directories (folders with a config.json) under {sweep_dir}: nothing to report.")
+    out_dir = writable_dir(Path(out_dir) if out_dir is not None else sweep_dir, "report folder")
+    table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
+    remove_stale_temps(out_dir, table_dir, figure_dir)
+    notes = sweep.notes + notes
+
+    tidy = aggregate(sweep)
+    data_paths = save_frame(tidy, out_dir / "aggregate")
+    run_paths = save_frame(runs_frame(sweep), out_dir / "runs")
+
+    title = spec.title or f"Report: {sweep_dir.resolve().name}"
+    lines = [
+        f"# {title}",
+        "",
+        f"Generated by `depthmem report` from the run directories alone (nothing retrained). {_state_line(sweep)}",
+        "",
+    ]
+
+    colours = figs.palette(
+        [r.variant for r in sweep.runs] + (list(bench_frame["variant"]) if bench_frame is not None else [])
+    )
+    ctx = report_items.Context(
+        sweep, baseline=spec.baseline, ablation_reference=spec.ablation_reference, bench=bench_frame, colours=colours
+    )
+    skipped: list[str] = []
+    for item in report_items.items("table"):
+        if not (item.always or item.name in spec.tables):
+            continue
+        try:
+            table = ctx.table(item.name)
+        except report_items.NoData as reason:
+            if not item.always:
+                skipped.append(f"- table `{item.name}`: {reason}.")
+            continue
+        if table.data.empty:
+            skipped.append(f"- table `{item.name}`: it has no rows.")
+            continue
+        lines += _table_section(table, table_dir, out_dir)
+
+    figure_lines: list[str] = []
+    for item in report_items.items("figure"):
+        if item.name not in spec.figures:
+            continue
+        try:
+            fig, caption = item.fn(ctx)
+        except report_items.NoData as reason:
+            skipped.append(f"- figure `{item.name}`: {reason}.")
+            continue
+        png, pdf = (p.relative_to(out_dir).as_posix() for p in figs.save_figure(fig, figure_dir, item.name))
+        figure_lines += [
+            f"### {item.name.replace('_', ' ').capitalize()}",
+            "",
+            f"![{item.name}]({png})",
+            "",
+            f"{caption} PDF: [{pdf}]({pdf})",
+            "",
+        ]
+    if figure_lines:
+        lines += ["## Figures", "", *figure_lines]
+    if skipped:
+        lines += ["## Not produced", "", *skipped, ""]
+    if notes:
+        lines += ["## Notes on the inputs", "", *[f"- {n}" for n in notes], ""]
+    data, runs = ([p.relative_to(out_dir).as_posix() for p in paths] for paths in (data_paths, run_paths))
+    lines += [
+        "## Data",
+        "",
+        f"The tidy table (one row per run × step × metric): [{data[0]}]({data[0]}), [{data[1]}]({data[1]}); "
+        f"one row per run with its state: [{runs[0]}]({runs[0]}), [{runs[1]}]({runs[1]}). "
+        "Regenerate everything with `depthmem report SWEEP`.",
+        "",
+    ]
+    return atomic_write_text(out_dir / "REPORT.md", "\n".join(lines))

@@ -1,0 +1,501 @@
+"""Read a sweep's run directories into one tidy table, without retraining anything.
+
+A sweep is a folder (``results/<sweep>/``) whose run directories are found recursively as folders holding a
+``config.json``. ``load_sweep`` reads every run once (config, status, summary, metrics, layers, mixing, eval)
+and tolerates runs that are still being written: a file that is missing or cannot be parsed is skipped with a
+note, never an error. ``aggregate`` turns the runs into one tidy frame, one row per run × step × metric, with
+the canonical variant name split into its base variant and knobs; tables and figures consume that frame and
+the ``Run`` records.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from harness.config import PRESETS
+from harness.errors import UsageError
+from harness.io import atomic_write_bytes
+from harness.registry import format_value, parse_spec
+
+FINISHED = "done"
+METRIC_COLUMNS = ("train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s")
+# Config keys that never change what a run computes, so they never split runs into different settings.
+_IGNORED_KEYS = ("name", "variant", "train.seed", "data.cache_dir", "eval.batch_size", "train.logger")
+_IGNORED_PREFIXES = ("slurm.",)
+
+
+@dataclass
+class Run:
+    """One run directory and everything read from it (``None`` where a file is missing or unreadable)."""
+
+    run_id: str
+    rel: str
+    path: Path
+    config: dict[str, Any]
+    variant: str
+    base: str
+    knobs: dict[str, str]
+    preset: str
+    seed: int
+    status: dict[str, Any]
+    summary: dict[str, Any] | None = None
+    metrics: pd.DataFrame | None = None
+    layers: pd.DataFrame | None = None
+    mixing: dict[str, Any] | None = None
+    eval: pd.DataFrame | None = None
+    setting: str = ""
+    knob_values: dict[str, str] = field(default_factory=dict)
+    """Every knob of the run's base variant: its own value, else the registry default."""
+    axes: dict[str, Any] = field(default_factory=dict)
+    """The config values in which the sweep's runs differ (besides variant and seed), by column name, typed."""
+
+    def config_value(self, key: str, default: Any = None) -> Any:
+        """A config value by dotted key (``model.n_blocks``)."""
+        node: Any = self.config
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    @property
+    def state(self) -> str:
+        return str(self.status.get("state", "pending"))
+
+    @property
+    def message(self) -> str:
+        return str(self.status.get("message") or "")
+
+    @property
+    def budget(self) -> tuple[int | None, int | None]:
+        """``(train_steps, train_tokens)``: from summary.json, else from a config that fixes them (None if unknown)."""
+        summary = self.summary or {}
+        steps, tokens = summary.get("train_steps"), summary.get("train_tokens")
+        if isinstance(steps, int) and isinstance(tokens, int):
+            return steps, tokens
+        train, model = self.config.get("train") or {}, self.config.get("model") or {}
+        try:
+            per_step = int(train["batch_size"]) * int(train.get("seq_len") or model["max_seq_len"])
+            steps = int(train.get("max_steps") or 0) or math.ceil(int(train.get("tokens") or 0) / per_step)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return None, None
+        return (steps, steps * per_step) if steps else (None, None)
+
+    @property
+    def final_loss(self) -> float | None:
+        """The final validation loss of a finished run, or None when it does not count."""
+        if self.state != FINISHED or not self.summary:
+            return None
+        value = _as_float(self.summary.get("val_loss"))
+        return value if value is not None and math.isfinite(value) else None
+
+
+@dataclass
+class Sweep:
+    """All runs of a sweep, sorted by path, and the notes on what could not be read."""
+
+    root: Path
+    runs: list[Run]
+    notes: list[str] = field(default_factory=list)
+    knob_names: list[str] = field(default_factory=list)
+    axis_keys: dict[str, str] = field(default_factory=dict)
+    """Column name -> dotted config key of every axis the sweep varies besides variant and seed."""
+
+    def finished(self) -> list[Run]:
+        """Runs that count in averages: done, with a finite final validation loss."""
+        return [r for r in self.runs if r.final_loss is not None]
+
+    def excluded(self) -> list[Run]:
+        """Runs listed in the report but kept out of every average."""
+        return [r for r in self.runs if r.final_loss is None]
+
+
+def _as_float(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _read_json(path: Path, notes: list[str], root: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        notes.append(f"Skipped {path.relative_to(root)}: it could not be read ({type(e).__name__}).")
+        return None
+
+
+def _read_csv(path: Path, notes: list[str], root: Path, numeric: tuple[str, ...] = ()) -> pd.DataFrame | None:
+    try:
+        frame = pd.read_csv(path, on_bad_lines="skip")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        notes.append(f"Skipped {path.relative_to(root)}: it could not be read ({type(e).__name__}).")
+        return None
+    for col in numeric:
+        if col in frame:
+            # A line cut short by a writer still appending reads as NaN instead of failing the whole file.
+            frame[col] = pd.to_numeric(frame[col], errors="coerce")
+    return frame
+
+
+def _registry_knobs() -> dict[str, dict[str, str]]:
+    """Base variant -> its knobs and their default values, from the variant registry."""
+    try:
+        import variants
+    except Exception:  # a variant module mid-edit must not stop a report
+        return {}
+    return {v["name"]: {k["knob"]: k["default"] for k in v["knobs"]} for v in variants.describe()}
+
+
+def split_variant(spec: str, notes: list[str] | None = None) -> tuple[str, str, dict[str, str]]:
+    """The canonical variant name, its base variant and its non-default knobs."""
+    try:
+        import variants
+
+        canonical = variants.canonical(spec)
+    except Exception:
+        # Unknown to this checkout's registry (or the registry failed to load): keep the name as written.
+        canonical = None
+    try:
+        base, knobs = parse_spec(canonical or spec)
+    except UsageError:
+        if notes is not None:
+            notes.append(f"The variant name {spec!r} cannot be parsed; it is shown as written.")
+        return spec, spec, {}
+    if canonical is None:
+        if notes is not None:
+            notes.append(f"The variant {spec!r} is not in the variant registry; its name is shown as written.")
+        canonical = f"{base}({','.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else base
+    return canonical, base, knobs
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
+    return out
+
+
+# Column names of the tidy frame that an axis column must not take.
+_RESERVED = {
+    "run_id",
+    "run_dir",
+    "setting",
+    "variant",
+    "base",
+    "knobs",
+    "preset",
+    "seed",
+    "state",
+    "source",
+    "task",
+    "step",
+    "tokens",
+    "metric",
+    "value",
+    "stderr",
+    "train_tokens",
+    "train_steps",
+    "counted",
+    "message",
+}
+
+
+def _axis_columns(keys: list[str]) -> dict[str, str]:
+    """Column name per differing config key: its last part (``lr``), or the whole key where that is ambiguous."""
+    short = [k.rsplit(".", 1)[-1] for k in keys]
+    out = {}
+    for key, name in zip(keys, short):
+        if short.count(name) > 1 or name in _RESERVED or name.startswith("knob_"):
+            name = key.replace(".", "_")
+        if name in _RESERVED:  # train.tokens, which the budget columns already name
+            name = f"axis_{name}"
+        out[name] = key
+    return out
+
+
+def _settings(runs: list[Run]) -> dict[str, str]:
+    """Label every run with the config keys (other than variant and seed) in which the sweep's runs differ."""
+    flat = []
+    for run in runs:
+        f = {
+            k: v
+            for k, v in _flatten(run.config).items()
+            if k not in _IGNORED_KEYS and not k.startswith(_IGNORED_PREFIXES)
+        }
+        flat.append(f)
+    keys = sorted({k for f in flat for k in f})
+    differing = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+    for run, f in zip(runs, flat):
+        preset = PRESETS.get(str(f.get("model.preset")), {})
+        parts = []
+        for k in differing:
+            # Sizes that follow from a differing preset would only repeat it.
+            if k.startswith("model.") and k != "model.preset" and preset.get(k[6:]) == f.get(k):
+                continue
+            label = k[6:] if k.startswith("model.") else k
+            parts.append(f"{label}={format_value(f.get(k))}")
+        run.setting = ", ".join(parts)
+    columns = _axis_columns(differing)
+    for run in runs:
+        run.axes = {name: run.config_value(key) for name, key in columns.items()}
+    return columns
+
+
+def find_run_dirs(root: Path) -> list[Path]:
+    """Every folder under ``root`` (itself included) that holds a ``config.json``, sorted by path."""
+    return sorted({p.parent for p in Path(root).rglob("config.json")})
+
+
+def load_sweep(root: str | Path) -> Sweep:
+    """Read every run directory under ``root``; unreadable files become notes, not errors."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UsageError(f"The sweep folder {str(root)!r} does not exist: give a folder of run directories.")
+    notes: list[str] = []
+    runs: list[Run] = []
+    registry = _registry_knobs()
+    dirs = find_run_dirs(root)
+    names = [d.name for d in dirs]
+    for d in dirs:
+        config = _read_json(d / "config.json", notes, root)
+        if not isinstance(config, dict):
+            if config is None and (d / "config.json").exists():
+                continue  # already noted as unreadable
+            notes.append(f"Skipped {d.relative_to(root)}: its config.json holds no mapping.")
+            continue
+        rel = d.relative_to(root).as_posix() or "."
+        spec = str(config.get("variant", "preln"))
+        variant, base, knobs = split_variant(spec, notes)
+        status = _read_json(d / "status.json", notes, root)
+        if not isinstance(status, dict):
+            status = {"state": "pending", "message": "no readable status.json"}
+        summary = _read_json(d / "summary.json", notes, root)
+        mixing = _read_json(d / "mixing.json", notes, root)
+        seed = config.get("train", {}).get("seed", 0)
+        runs.append(
+            Run(
+                # Run ids are folder names; a name that repeats elsewhere in the tree falls back to its path.
+                run_id=d.name if names.count(d.name) == 1 else rel,
+                rel=rel,
+                path=d,
+                config=config,
+                variant=variant,
+                base=base,
+                knobs=knobs,
+                preset=str(config.get("model", {}).get("preset", "")),
+                seed=int(seed) if isinstance(seed, (int, float)) else 0,
+                status=status,
+                summary=summary if isinstance(summary, dict) else None,
+                metrics=_read_csv(d / "metrics.csv", notes, root, ("step", "tokens", *METRIC_COLUMNS)),
+                layers=_read_csv(
+                    d / "layers.csv", notes, root, ("step", "layer", "input_rms", "output_rms", "grad_norm")
+                ),
+                mixing=mixing if isinstance(mixing, dict) else None,
+                eval=_read_csv(d / "eval" / "table.csv", notes, root, ("value", "stderr")),
+            )
+        )
+    axis_keys = _settings(runs)
+    seen = sorted({k for r in runs for k in r.knobs})
+    for run in runs:
+        defaults = registry.get(run.base)
+        if defaults is not None:
+            run.knob_values = {**defaults, **run.knobs}
+        else:
+            # The registry does not know this base, so a knob another run of it sets has an unnamed default.
+            run.knob_values = {
+                k: run.knobs.get(k, "default") for k in seen if any(k in r.knobs for r in runs if r.base == run.base)
+            }
+    return Sweep(root=root, runs=runs, notes=list(dict.fromkeys(notes)), knob_names=seen, axis_keys=axis_keys)
+
+
+def knobs_text(knobs: dict[str, str]) -> str:
+    """A readable knob setting such as ``groups=4, lambda=1.0`` (``default`` when there is none)."""
+    return ", ".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+
+
+def _run_column_names(sweep: Sweep) -> list[str]:
+    return [
+        "run_id",
+        "run_dir",
+        "setting",
+        "variant",
+        "base",
+        "knobs",
+        *(f"knob_{k}" for k in sweep.knob_names),
+        *sweep.axis_keys,
+        "preset",
+        "seed",
+        "state",
+        "train_tokens",
+        "train_steps",
+    ]
+
+
+def _run_columns(run: Run, sweep: Sweep) -> dict[str, Any]:
+    cols: dict[str, Any] = {
+        "run_id": run.run_id,
+        "run_dir": run.rel,
+        "setting": run.setting,
+        "variant": run.variant,
+        "base": run.base,
+        "knobs": knobs_text(run.knobs),
+    }
+    for k in sweep.knob_names:
+        cols[f"knob_{k}"] = run.knob_values.get(k, "")
+    for name in sweep.axis_keys:
+        cols[name] = run.axes.get(name)
+    steps, tokens = run.budget
+    cols.update(preset=run.preset, seed=run.seed, state=run.state, train_tokens=tokens, train_steps=steps)
+    return cols
+
+
+def _missing(v: Any) -> bool:
+    return v is None or v == "" or (isinstance(v, float) and math.isnan(v))
+
+
+def _typed(values: pd.Series) -> pd.Series:
+    """Integers, floats or booleans where every present value is one (texts such as ``16`` included), else text."""
+    present = [v for v in values if not _missing(v)]
+    if present and all(isinstance(v, bool) for v in present):
+        return values.map(lambda v: None if _missing(v) else v).astype("boolean")
+    try:
+        if not present or any(isinstance(v, bool) for v in present):
+            raise ValueError
+        [float(v) for v in present]
+    except (TypeError, ValueError):
+        return values.map(lambda v: "" if _missing(v) else format_value(v)).astype(str)
+    numbers = pd.to_numeric(values.map(lambda v: None if _missing(v) else float(v)), errors="coerce")
+    whole = all(isinstance(v, int) or (isinstance(v, str) and v.strip().lstrip("+-").isdigit()) for v in present)
+    return numbers.astype("Int64" if whole else "float64")
+
+
+def typed_columns(frame: pd.DataFrame, sweep: Sweep) -> pd.DataFrame:
+    """The knob and axis columns of ``frame`` as numbers or booleans where their values allow it."""
+    frame = frame.copy()
+    for col in [*(f"knob_{k}" for k in sweep.knob_names), *sweep.axis_keys]:
+        if col in frame:
+            frame[col] = _typed(frame[col])
+    for col in ("train_tokens", "train_steps"):
+        if col in frame:
+            frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
+    return frame
+
+
+TIDY_COLUMNS = ("source", "task", "step", "tokens", "metric", "value", "stderr")
+
+
+def aggregate(root: str | Path | Sweep) -> pd.DataFrame:
+    """One tidy frame for a sweep: a row per run × step × metric (training curves, final summary, downstream)."""
+    sweep = root if isinstance(root, Sweep) else load_sweep(root)
+    rows: list[dict[str, Any]] = []
+    for run in sweep.runs:
+        base = _run_columns(run, sweep)
+        if run.metrics is not None and "step" in run.metrics:
+            for rec in run.metrics.to_dict("records"):
+                for metric in METRIC_COLUMNS:
+                    value = _as_float(rec.get(metric))
+                    if value is None or math.isnan(value) or _as_float(rec.get("step")) is None:
+                        continue
+                    rows.append(
+                        {
+                            **base,
+                            "source": "train",
+                            "task": "",
+                            "step": rec.get("step"),
+                            "tokens": rec.get("tokens"),
+                            "metric": metric,
+                            "value": value,
+                            "stderr": None,
+                        }
+                    )
+        summary = run.summary or {}
+        final_step, final_tokens = _as_float(summary.get("step")), _as_float(summary.get("tokens"))
+        for metric in sorted(summary):
+            value = _as_float(summary[metric])
+            if (
+                metric in ("step", "tokens", "train_tokens", "train_steps")
+                or value is None
+                or isinstance(summary[metric], bool)
+            ):
+                continue
+            rows.append(
+                {
+                    **base,
+                    "source": "final",
+                    "task": "",
+                    "step": final_step,
+                    "tokens": final_tokens,
+                    "metric": metric,
+                    "value": value,
+                    "stderr": None,
+                }
+            )
+        if run.eval is not None and {"task", "metric", "value"} <= set(run.eval.columns):
+            for rec in run.eval.to_dict("records"):
+                value = _as_float(rec.get("value"))
+                if value is None or math.isnan(value):
+                    continue
+                rows.append(
+                    {
+                        **base,
+                        "source": "eval",
+                        "task": str(rec["task"]),
+                        "step": final_step,
+                        "tokens": final_tokens,
+                        "metric": str(rec["metric"]),
+                        "value": value,
+                        "stderr": _as_float(rec.get("stderr")),
+                    }
+                )
+    columns = [*_run_column_names(sweep), *TIDY_COLUMNS]
+    frame = typed_columns(pd.DataFrame(rows, columns=columns), sweep)
+    for col in ("step", "tokens"):
+        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
+    for col in ("value", "stderr"):
+        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("float64")
+    frame["seed"] = frame["seed"].astype("int64")
+    for col in ("train_tokens", "train_steps"):
+        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
+    return frame.reset_index(drop=True)
+
+
+def runs_frame(sweep: Sweep) -> pd.DataFrame:
+    """One row per run: identity, state, last step and message (every run, counted or not)."""
+    rows = []
+    for run in sweep.runs:
+        rows.append(
+            {
+                **_run_columns(run, sweep),
+                "step": run.status.get("step"),
+                "counted": run.final_loss is not None,
+                "message": run.message,
+            }
+        )
+    return typed_columns(pd.DataFrame(rows, columns=[*_run_column_names(sweep), "step", "counted", "message"]), sweep)
+
+
+def save_frame(frame: pd.DataFrame, stem: str | Path) -> list[Path]:
+    """Write ``frame`` as ``<stem>.parquet`` and ``<stem>.csv``, each atomically."""
+    stem = Path(stem)
+    buf = io.BytesIO()
+    frame.to_parquet(buf, index=False)
+    return [
+        atomic_write_bytes(stem.with_suffix(".parquet"), buf.getvalue()),
+        atomic_write_bytes(stem.with_suffix(".csv"), frame.to_csv(index=False).encode()),
+    ]

@@ -1,0 +1,88 @@
+"""What a sweep costs before it runs: parameters, steps, tokens, training FLOPs and GPU-hours per run.
+
+Training FLOPs are three times the forward FLOPs of the cost model (``harness.model.costs``: PreLN's matrix multiplies
+and attention at the run's context, plus what the run's depth mixer adds), times the tokens the run trains on;
+the backward pass costs twice the forward. GPU-hours assume the profile's ``utilisation`` of one card's bf16
+peak (``gpu_peak_tflops``), so they are a planning number, not a measurement: the card's real utilisation
+depends on the variant, the micro batch and the interconnect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from harness.config import RunConfig
+
+
+def _model_counts(cfg: RunConfig) -> tuple[int, int]:
+    """Parameters and forward depth-mixing FLOPs per token of the run's model, built on the meta device."""
+    from harness.model.factory import build_model
+
+    with torch.device("meta"):  # shapes without storage: even the largest preset allocates nothing
+        model = build_model(cfg.model, cfg.variant)
+    try:
+        extra = int(model.mixer.extra_flops_per_token())
+    except NotImplementedError:
+        extra = 0
+    return model.num_params(), extra
+
+
+def run_cost(cfg: RunConfig, *, peak_tflops: float, utilisation: float, _cache: dict | None = None) -> dict[str, Any]:
+    """Parameters, steps, tokens, training FLOPs and estimated GPU-hours of one run."""
+    from harness.model.costs import preln_flops_per_token
+    from harness.training.budget import seq_len_of, train_steps
+
+    key = (repr(cfg.model), cfg.variant)
+    counts = _cache.get(key) if _cache is not None else None
+    if counts is None:
+        counts = _model_counts(cfg)
+        if _cache is not None:
+            _cache[key] = counts
+    params, extra = counts
+    seq_len = seq_len_of(cfg)
+    steps = train_steps(cfg)
+    tokens = steps * cfg.train.batch_size * seq_len
+    flops = 3 * (preln_flops_per_token(cfg.model, seq_len) + extra) * tokens
+    gpu_hours = flops / (utilisation * peak_tflops * 1e12) / 3600
+    return {"params": params, "steps": steps, "tokens": tokens, "train_flops": float(flops), "gpu_hours": gpu_hours}
+
+
+def sweep_cost(configs: Iterable[RunConfig], *, peak_tflops: float, utilisation: float) -> list[dict[str, Any]]:
+    """``run_cost`` of every config (models of the same size and variant are counted once)."""
+    cache: dict = {}
+    return [run_cost(c, peak_tflops=peak_tflops, utilisation=utilisation, _cache=cache) for c in configs]
+
+
+def describe_costs(runs, profile) -> str:
+    """The dry run's cost block: one row per run, then the sweep's total and the hours each run takes."""
+    from harness.sweeps.jobstate import format_rows
+
+    costs = sweep_cost([r.cfg for r in runs], peak_tflops=profile.gpu_peak_tflops, utilisation=profile.utilisation)
+    rows = [
+        {
+            "run_id": r.run_id,
+            "params": f"{c['params'] / 1e6:,.1f}M",
+            "steps": c["steps"],
+            "tokens": f"{c['tokens'] / 1e9:,.3f}B",
+            "train_flops": f"{c['train_flops']:.3e}",
+            "gpu_hours": f"{c['gpu_hours']:,.1f}",
+        }
+        for r, c in zip(runs, costs)
+    ]
+    total_flops = sum(c["train_flops"] for c in costs)
+    total_hours = sum(c["gpu_hours"] for c in costs)
+    gpus = profile.nodes * profile.gpus_per_node
+    lines = [
+        f"cost (training FLOPs = 3 x forward FLOPs of the cost model x tokens; GPU-hours at "
+        f"{profile.utilisation:.0%} of a {profile.gpu_peak_tflops:g} TFLOP/s bf16 peak, profile "
+        f"{profile.name}):",
+        format_rows(rows, ["run_id", "params", "steps", "tokens", "train_flops", "gpu_hours"]),
+        f"total: {len(costs)} run(s), {sum(c['tokens'] for c in costs) / 1e9:,.2f}B tokens, "
+        f"{total_flops:.3e} training FLOPs, {total_hours:,.1f} GPU-hours",
+    ]
+    if gpus and costs:
+        lines[-1] += f"; {total_hours / len(costs) / gpus:,.1f} h of wall time per run on its {gpus} GPU(s)"
+    return "\n".join(lines)

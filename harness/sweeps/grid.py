@@ -1,0 +1,248 @@
+"""Ablation grids: a YAML file of a base config and axes, expanded into validated, uniquely named runs.
+
+A grid file holds ``base`` (any ``RunConfig`` keys, nested or dotted), ``axes`` (dotted key -> list of values,
+crossed as a product), ``zip`` (groups of keys whose lists vary together, each group one more axis of the
+product), ``exclude`` (partial assignments whose matching combinations are dropped) and ``include`` (extra runs,
+each a set of overrides on the base). Optional ``name`` (default: the file's stem), ``profile`` (the default
+resource profile) and ``parallelism`` (most runs at once). Every run is built as ``build_config`` builds it and its
+variant checked against its model size before anything is submitted, so a bad grid fails as one sentence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.config import ConfigBuilder, RunConfig, read_yaml
+from harness.errors import UsageError, did_you_mean
+from harness.rundir import run_id
+
+GRID_KEYS = ("name", "description", "profile", "parallelism", "base", "axes", "zip", "include", "exclude", "report")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class GridRun:
+    """One run of a grid: its id, its full config, and the grid values that distinguish it."""
+
+    run_id: str
+    cfg: RunConfig
+    overrides: dict[str, Any]
+
+
+@dataclass
+class Grid:
+    """A parsed grid file, not yet expanded."""
+
+    name: str
+    source: str
+    base: dict[str, Any] = field(default_factory=dict)
+    axes: dict[str, list] = field(default_factory=dict)
+    zips: list[dict[str, list]] = field(default_factory=list)
+    include: list[dict[str, Any]] = field(default_factory=list)
+    exclude: list[dict[str, Any]] = field(default_factory=list)
+    profile: str | None = None
+    parallelism: int | None = None
+    description: str = ""
+    baseline: str = "preln"
+    """The variant a per-parameter token budget is counted against (the grid's ``report.baseline``)."""
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Turn ``{"train.lr": 1e-3}`` (or already nested dicts, or a mix) into nested dicts for ``build_config``."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = str(key).split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UsageError(f"The key {key!r} sets a field inside {part!r}, which already has a plain value.")
+        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+            node[parts[-1]] = {**node[parts[-1]], **nest(value)}
+        elif isinstance(value, dict):
+            node[parts[-1]] = nest(value)
+        else:
+            node[parts[-1]] = value
+    return out
+
+
+def _mapping(value: Any, what: str, source: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UsageError(f"{what} in {source} must be a mapping of config keys to values, not {type(value).__name__}.")
+    return value
+
+
+def _axis_lists(mapping: dict, what: str, source: str) -> dict[str, list]:
+    out = {}
+    for key, values in mapping.items():
+        if not isinstance(values, list) or not values:
+            raise UsageError(f"The {what} {key!r} in {source} must be a non-empty list of values.")
+        out[str(key)] = values
+    return out
+
+
+def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str = "grid") -> Grid:
+    """A ``Grid`` from the mapping of a grid file, checking its shape (not yet its configs)."""
+    if not isinstance(data, dict):
+        raise UsageError(f"The grid file {source} must hold a mapping with base and axes, not {type(data).__name__}.")
+    for key in data:
+        if key not in GRID_KEYS:
+            raise UsageError(
+                f"Unknown key {key!r} in the grid file {source}.{did_you_mean(str(key), GRID_KEYS)} "
+                f"Allowed keys: {', '.join(GRID_KEYS)}."
+            )
+    name = str(data.get("name") or default_name)
+    if not _NAME.match(name):
+        raise UsageError(f"The grid name {name!r} in {source} may only use letters, digits, '.', '_' and '-'.")
+    zips = []
+    raw_zips = data.get("zip") or []
+    if isinstance(raw_zips, dict):  # a single group may be written without the list around it
+        raw_zips = [raw_zips]
+    if not isinstance(raw_zips, list):
+        raise UsageError(f"zip in {source} must be a list of groups, each a mapping of keys to equal-length lists.")
+    for group in raw_zips:
+        lists = _axis_lists(_mapping(group, "A zip group", source), "zipped key", source)
+        lengths = {k: len(v) for k, v in lists.items()}
+        if len(set(lengths.values())) > 1:
+            raise UsageError(
+                f"The zipped keys in {source} must have lists of one length; got "
+                + ", ".join(f"{k} ({n})" for k, n in lengths.items())
+                + "."
+            )
+        zips.append(lists)
+    for what in ("include", "exclude"):
+        entries = data.get(what) or []
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and e for e in entries):
+            raise UsageError(f"{what} in {source} must be a list of non-empty mappings of config keys to values.")
+    parallelism = data.get("parallelism")
+    if parallelism is not None and (not isinstance(parallelism, int) or parallelism < 1):
+        raise UsageError(f"parallelism in {source} must be a positive integer, got {parallelism!r}.")
+    axes = _axis_lists(_mapping(data.get("axes"), "axes", source), "axis", source)
+    taken = list(axes) + [k for g in zips for k in g]
+    twice = sorted({k for k in taken if taken.count(k) > 1})
+    if twice:
+        raise UsageError(f"The key {twice[0]!r} is varied twice in {source}: keep it in one axis or zip group.")
+    for entry in data.get("exclude") or []:
+        stray = [str(k) for k in entry if str(k) not in taken]
+        if stray:
+            raise UsageError(
+                f"exclude in {source} names {stray[0]!r}, which no axis or zip group varies; "
+                f"exclude entries may use: {', '.join(taken) or 'no keys (there are no axes)'}."
+            )
+    return Grid(
+        name=name,
+        source=source,
+        base=_mapping(data.get("base"), "base", source),
+        axes=axes,
+        zips=zips,
+        include=list(data.get("include") or []),
+        exclude=list(data.get("exclude") or []),
+        profile=data.get("profile"),
+        parallelism=parallelism,
+        description=str(data.get("description") or ""),
+        baseline=_baseline(data.get("report"), source),
+    )
+
+
+def _baseline(report: Any, source: str) -> str:
+    """The report's baseline variant, which every run's token budget is counted against."""
+    baseline = report.get("baseline") if isinstance(report, dict) else None
+    if baseline is None:
+        return "preln"
+    if not isinstance(baseline, str):
+        raise UsageError(f"report.baseline in {source} must be a variant name, got {baseline!r}.")
+    import variants
+
+    variants.validate(baseline)
+    return baseline
+
+
+def load_grid(path: str | Path) -> Grid:
+    """Read and check a grid file (``experiments/*.yaml``)."""
+    path = Path(path)
+    return parse_grid(read_yaml(path, "grid file"), source=str(path), default_name=path.stem)
+
+
+def combinations(grid: Grid) -> list[dict[str, Any]]:
+    """The grid's override sets, in order: the product of axes and zip groups, less excludes, plus includes."""
+    factors: list[list[dict[str, Any]]] = [[{key: v} for v in values] for key, values in grid.axes.items()]
+    for group in grid.zips:
+        keys = list(group)
+        factors.append([dict(zip(keys, row)) for row in zip(*group.values())])
+    combos = [dict(kv for part in parts for kv in part.items()) for parts in itertools.product(*factors)]
+    if not grid.axes and not grid.zips and not grid.include:
+        combos = [{}]  # a grid of just a base is one run
+    elif not grid.axes and not grid.zips:
+        combos = []
+    combos = [c for c in combos if not any(_matches(c, ex) for ex in grid.exclude)]
+    return combos + [dict(inc) for inc in grid.include]
+
+
+def _matches(combo: dict[str, Any], partial: dict[str, Any]) -> bool:
+    return all(str(k) in combo and _same(combo[str(k)], v) for k, v in partial.items())
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a == b:
+        return True
+    try:  # ``ldm-rls(groups=4)`` and ``ldm-rls(groups=4, lambda=learned)`` name one variant
+        import variants
+
+        return variants.canonical(str(a)) == variants.canonical(str(b))
+    except Exception:
+        return False
+
+
+def axis_keys(grid: Grid) -> list[str]:
+    """The keys the grid varies, in file order: axes, zip groups, then keys that only includes set."""
+    keys = list(grid.axes) + [k for g in grid.zips for k in g]
+    for inc in grid.include:
+        keys += [str(k) for k in inc if str(k) not in keys]
+    return keys
+
+
+def _describe(overrides: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in overrides.items()) or "the base config"
+
+
+def expand(grid: Grid, *, defaults: dict[str, Any] | None = None) -> list[GridRun]:
+    """Every run of the grid as a validated ``RunConfig`` with its stable id.
+
+    ``defaults`` is a config layer under the grid's base (a resource profile's ``slurm`` and device settings).
+    """
+    import variants
+    from harness.training import budget
+
+    builder = ConfigBuilder(nest(defaults or {}), nest(grid.base), source=grid.source)
+    counted: dict = {}  # the baseline's parameter count per model size, built once
+    runs: list[GridRun] = []
+    seen: dict[str, dict[str, Any]] = {}
+    checked: set[tuple] = set()
+    for overrides in combinations(grid):
+        where = f"{grid.source} (run {_describe(overrides)})"
+        cfg = builder.build(nest(overrides), {"name": grid.name}, source=where)
+        if (cfg.variant, cfg.model.d_model, cfg.model.n_layers) not in checked:
+            variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
+            checked.add((cfg.variant, cfg.model.d_model, cfg.model.n_layers))
+        # One budget for every run of a model size: tokens per parameter of the baseline, not of each variant.
+        cfg = budget.resolve(cfg, grid.baseline, cache=counted)
+        rid = run_id(cfg, overrides)
+        if rid in seen:
+            raise UsageError(
+                f"Two runs of {grid.source} collide as {rid!r}: {_describe(seen[rid])} and "
+                f"{_describe(overrides)} give the same config; drop one or vary another key."
+            )
+        seen[rid] = overrides
+        runs.append(GridRun(rid, cfg, dict(overrides)))
+    if not runs:
+        raise UsageError(
+            f"The grid {grid.source} expands to no runs: give axes or include entries, "
+            f"and check that exclude does not remove every combination."
+        )
+    return runs

@@ -1,0 +1,349 @@
+"""The state of a sweep's jobs: each run's own ``status.json`` reconciled with the scheduler, and cancelling.
+
+A run's row starts from what the run wrote (state, step, the step of its last checkpoint, its message) and is
+corrected by what the scheduler knows: submitit's ``SlurmInfoWatcher`` (one ``sacct`` call for the whole sweep)
+on SLURM, the job's process on this machine. So a job killed from outside shows as failed or cancelled with the
+scheduler's reason, and a requeued job waiting to restart shows as ``requeued`` with the step it resumes from.
+Every row carries the command that moves it on (``advice``). Nothing here unpickles a file: the harness keeps
+what it needs in its own JSON, so reading a results folder from elsewhere cannot run code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.errors import UsageError
+from harness.rundir import DAMAGED, axis_label, now_iso, read_status, read_summary, read_sweep_record, write_status
+from harness.sweeps.grid import load_grid
+
+# sacct states after which a job will not run again by itself.
+TERMINAL = (
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+    "REVOKED",
+)
+# sacct states of a job that ran, was stopped, and waits to start again.
+REQUEUE_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
+STOP_GRACE_S = 30.0
+"""Seconds a stopped local run has to write its checkpoint before its process group is killed."""
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("DEPTHMEM_RESULTS", "results"))
+
+
+def resolve_sweep_dir(sweep: str | Path, root: str | Path | None = None) -> Path:
+    """The sweep folder from a sweep name under the results root, a grid file, or the folder itself."""
+    root = Path(root or default_root())
+    given = Path(sweep)
+    if given.suffix in (".yaml", ".yml") and given.is_file():
+        candidate = root / load_grid(given).name
+    elif (given / "sweep.json").exists():
+        candidate = given
+    else:
+        candidate = root / str(sweep)
+    if not (candidate / "sweep.json").exists():
+        known = sorted(d.name for d in root.glob("*") if (d / "sweep.json").exists()) if root.exists() else []
+        raise UsageError(
+            f"No sweep {str(sweep)!r} under {root}: submit it first with `depthmem sweep`. "
+            f"Known sweeps: {', '.join(known) or 'none'}."
+        )
+    return candidate
+
+
+def slurm_info(job_ids: list[str]) -> dict[str, dict[str, str]]:
+    """State (first word), its full text (``CANCELLED by 1000``) and node per job id (``123`` or ``123_4``),
+    from submitit's view of SLURM accounting: one ``sacct`` call for all of them."""
+    if not job_ids:
+        return {}
+    from submitit.slurm.slurm import SlurmInfoWatcher
+
+    watcher = SlurmInfoWatcher(delay_s=0)
+    for job_id in job_ids:
+        watcher.register_job(str(job_id))
+    try:
+        watcher.update()  # submitit logs and bypasses a failing sacct: the states then stay unknown
+    except OSError:
+        return {}
+    info = {}
+    for job_id in job_ids:
+        entry = watcher.get_info(str(job_id), mode="cache")
+        if entry.get("State"):
+            state = entry["State"]
+            info[str(job_id)] = {"state": state.split()[0], "detail": state, "node": entry.get("NodeList", "")}
+    return info
+
+
+def local_alive(job_id: str) -> bool:
+    """Whether the local job (the pid of submitit's controller) still runs."""
+    try:
+        os.kill(int(job_id), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    # A finished child that nobody waited for is a zombie, and a pid reused by another program is not our job.
+    try:
+        with open(f"/proc/{int(job_id)}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        with open(f"/proc/{int(job_id)}/cmdline", "rb") as f:
+            return b"submitit" in f.read()
+    except OSError:
+        return True
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    # Members that are all zombies have stopped; only their parent's wait is missing.
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def stop_local(job_ids: list[str], grace_s: float = STOP_GRACE_S, reap=None) -> None:
+    """Stop local jobs and everything they started: SIGTERM to each job's process group (training saves a
+    checkpoint at the end of its step), then SIGKILL to whatever is left after ``grace_s``.
+
+    A sweep starts each local job in its own session, so its group holds the controller, the run and any DDP
+    workers. ``reap`` is called while waiting, so a parent can collect its finished children.
+    """
+    groups = []
+    for job_id in job_ids:
+        pid = int(job_id)
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGTERM)
+                groups.append(pid)
+            else:  # started without a group of its own: the controller forwards the signal to its tasks
+                os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+    deadline = time.time() + grace_s
+    while time.time() < deadline and (any(_group_alive(g) for g in groups) or any(local_alive(j) for j in job_ids)):
+        if reap is not None:
+            reap()
+        time.sleep(0.1)
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if reap is not None:
+        reap()
+
+
+def _log_tail(jobs_dir: Path, job_id: str) -> str | None:
+    """The most telling line of a job's stderr: an error, a SLURM kill notice, or its last line."""
+    path = jobs_dir / f"{job_id}_0_log.err"
+    if not path.exists():
+        return None
+    lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "CANCELLED" in ln or "DUE TO TIME LIMIT" in ln or "oom" in ln.lower() or "Error" in ln:
+            return ln
+    return lines[-1] if lines else None
+
+
+def advice(state: str, grid: str, resume_step: int | None) -> str:
+    """The command that moves a run in ``state`` on, for the sweep of the grid file ``grid``."""
+    grid = grid or "GRID"
+    if state in ("failed", "diverged"):
+        return f"depthmem sweep {grid} --retry-failed"
+    if state in ("interrupted", "cancelled"):
+        return f"depthmem sweep {grid}" + (f" (resumes from step {resume_step})" if resume_step else "")
+    if state == "requeued":
+        return "none: SLURM restarts it"
+    return ""
+
+
+def reconcile(
+    sweep_dir: Path,
+    rid: str,
+    job_id: str | None,
+    executor: str | None,
+    info: dict[str, dict[str, str]] | None = None,
+    grid: str = "",
+) -> dict[str, Any]:
+    """A run's row: its status.json, corrected by the scheduler when its job ended without finishing it."""
+    run_dir = sweep_dir / rid
+    status = read_status(run_dir)
+    state = status.get("state", "pending")
+    resume_step = status.get("ckpt_step")
+    row = {
+        "run_id": rid,
+        "state": state,
+        "step": status.get("step"),
+        "loss": status.get("last_loss"),
+        "job_id": job_id or status.get("job_id"),
+        "node": status.get("node"),
+        "reason": (status.get("message") or "")
+        if state in ("failed", "diverged", "interrupted", "cancelled", DAMAGED)
+        else "",
+        "message": status.get("message") or "",
+        "attempts": status.get("attempts"),
+        "resume_step": resume_step,
+        "total_steps": status.get("total_steps"),
+        "eta_s": status.get("eta_s"),
+        "job_active": False,
+        "job_state": None,
+    }
+    cancelled = status.get("cancelled")
+    if job_id and executor == "slurm":
+        job = (info if info is not None else slurm_info([job_id])).get(str(job_id))
+        if job is None:
+            row["job_state"] = "UNKNOWN"
+            row["job_active"] = state in ("pending", "running")  # not yet in accounting: just submitted
+        else:
+            row["job_state"], row["job_active"] = job["state"], job["state"] not in TERMINAL
+            if job.get("node") and job["node"] != "None assigned":
+                row["node"] = row["node"] or job["node"]
+        detail = job["detail"] if job else "UNKNOWN"
+    elif job_id:
+        row["job_active"] = local_alive(job_id)
+        row["job_state"] = "RUNNING" if row["job_active"] else "ENDED"
+        detail = "the local process ended"
+    else:
+        detail = ""
+    if row["job_active"]:
+        started_before = bool(status.get("attempts")) or state not in ("pending",)
+        if executor == "slurm" and row["job_state"] in REQUEUE_STATES and started_before and state != "done":
+            row["state"] = "requeued"
+            row["reason"] = (
+                f"job {job_id} was stopped and is {detail.lower()} to restart; it resumes from step {resume_step or 0}"
+            )
+    elif job_id or cancelled:
+        new_state, reason = state, row["reason"]
+        if cancelled and state != "done":
+            new_state, reason = "cancelled", cancelled
+        elif executor == "slurm" and row["job_state"] == "CANCELLED" and state != "done":
+            new_state, reason = "cancelled", f"job {job_id} {detail} (scancel)"
+        elif executor == "slurm" and row["job_state"] == "PREEMPTED" and state != "done":
+            new_state, reason = "interrupted", f"job {job_id} was preempted"
+        elif state in ("pending", "running"):
+            # The job is over but the run never reached a final state: it was killed from outside.
+            reason = f"job {job_id} ended without finishing the run ({detail})"
+            tail = _log_tail(sweep_dir / "jobs", str(job_id))
+            if tail:
+                reason += f": {tail}"
+            new_state = "failed"
+        elif state in ("failed", "diverged") and row["job_state"] not in (None, "COMPLETED", "FAILED", "ENDED"):
+            reason = f"job {job_id} {detail}: {reason}".rstrip(": ")  # the scheduler's word comes first
+        if new_state != state or reason != row["reason"]:
+            if new_state != state:
+                write_status(run_dir, new_state, message=reason)
+            row.update(state=new_state, reason=reason)
+    row["advice"] = advice(row["state"], grid, resume_step)
+    return row
+
+
+def run_rows(sweep_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per run of a sweep's record, with one typed field per grid axis and the final numbers."""
+    entries = record.get("runs", [])
+    slurm_ids = [str(e["job_id"]) for e in entries if e.get("job_id") and e.get("executor") == "slurm"]
+    info = slurm_info(slurm_ids) if slurm_ids else {}
+    rows = []
+    for e in entries:
+        row = reconcile(sweep_dir, e["run_id"], e.get("job_id"), e.get("executor"), info, record.get("grid", ""))
+        row["variant"] = e.get("variant", "")
+        row["axes"] = dict(e.get("overrides") or {})
+        for key, value in row["axes"].items():
+            row.setdefault(key, value)
+        summary = read_summary(sweep_dir / e["run_id"])
+        for key in ("val_loss", "val_bpb", "params", "tokens_per_s", "train_steps", "train_tokens"):
+            row[key] = summary.get(key)
+        rows.append(row)
+    return rows
+
+
+def axis_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The grid axes that the rows vary, in the order the grid names them."""
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row.get("axes", {}) if k not in keys]
+    return keys
+
+
+def sweep_status(sweep: str | Path, root: str | Path | None = None) -> list[dict[str, Any]]:
+    """One row per run: state, step, last loss, job id, node, why a run stopped and what to run next, the grid
+    axes, and the final numbers."""
+    sweep_dir = resolve_sweep_dir(sweep, root)
+    return run_rows(sweep_dir, read_sweep_record(sweep_dir))
+
+
+def cancel(sweep: str | Path, root: str | Path | None = None) -> list[str]:
+    """Cancel every queued or running job of a sweep and mark its runs cancelled; returns their run ids.
+
+    The mark is written before the jobs are signalled and kept through what a stopping job writes, so the run
+    says it was cancelled (not merely interrupted) until it is submitted again.
+    """
+    sweep_dir = resolve_sweep_dir(sweep, root)
+    record = read_sweep_record(sweep_dir)
+    note = f"cancelled by depthmem cancel ({now_iso()})"
+    stopped: list[tuple[str, str, str]] = []
+    for row in run_rows(sweep_dir, record):
+        if not row["job_active"]:
+            continue
+        entry = next(e for e in record["runs"] if e["run_id"] == row["run_id"])
+        write_status(
+            sweep_dir / row["run_id"], read_status(sweep_dir / row["run_id"]).get("state", "pending"), cancelled=note
+        )
+        stopped.append((row["run_id"], str(row["job_id"]), entry.get("executor") or "local"))
+    slurm_ids = [j for _, j, ex in stopped if ex == "slurm"]
+    if slurm_ids:
+        subprocess.run(["scancel", *slurm_ids], capture_output=True, text=True, timeout=60)
+    stop_local([j for _, j, ex in stopped if ex != "slurm"])
+    for rid, _, _ in stopped:
+        write_status(sweep_dir / rid, "cancelled", message=note, cancelled=note)
+    return [rid for rid, _, _ in stopped]
+
+
+def format_rows(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A plain text table of the given columns (blank for missing values); grid axes go by their short label."""
+    import pandas as pd
+
+    if not rows:
+        return "(no runs)"
+    labels = {c: axis_label(c) if "." in c else c for c in columns}
+    if len(set(labels.values())) < len(labels):
+        labels = {c: c for c in columns}
+    frame = pd.DataFrame([{labels[c]: row.get(c) for c in columns} for row in rows], columns=list(labels.values()))
+    return frame.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4g}")
+
+
+__all__ = [
+    "TERMINAL",
+    "default_root",
+    "resolve_sweep_dir",
+    "slurm_info",
+    "local_alive",
+    "stop_local",
+    "reconcile",
+    "run_rows",
+    "axis_columns",
+    "sweep_status",
+    "cancel",
+    "format_rows",
+    "advice",
+]

@@ -1,0 +1,639 @@
+"""Planning and submitting a sweep through submitit, locally or as SLURM job arrays.
+
+``sweep(grid_file, executor="local"|"slurm", profile=...)`` expands and validates the grid, takes the sweep's
+lock (a second submission of the same sweep fails at once), writes each run's ``config.json``, skips runs that
+are finished or still queued, resumes interrupted and cancelled ones from their last checkpoint, evaluates a
+finished run only on the tasks it has no result of, reruns failed ones only when asked, and submits the rest as
+job arrays with a parallelism limit. Without ``executor`` the profile decides (``executor: slurm`` in a cluster
+profile). Local runs each get a process group of their own, so Ctrl-C stops them with everything they started and
+marks them interrupted; the same command resumes them.
+
+Layout: ``<root>/<sweep>/sweep.json`` (runs, their grid values and job ids), ``<root>/<sweep>/<run_id>/`` (run
+directories) and ``<root>/<sweep>/jobs/`` (submitit's files and logs, one ``<job_id>_<task>_log.{out,err}`` pair
+per task).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import shutil
+import subprocess
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness import preflight
+from harness.errors import DepthmemError, UsageError
+from harness.io import atomic_write_json, remove_stale_temps, writable_dir
+from harness.rundir import legacy_run_id, now_iso, read_status, read_sweep_record, write_config, write_status
+from harness.sweeps.grid import Grid, GridRun, axis_keys, expand, load_grid
+from harness.sweeps.job import RunJob, pending_tasks
+from harness.sweeps.jobstate import default_root, format_rows, run_rows, stop_local, sweep_status
+from harness.sweeps.profiles import EXECUTORS, Profile, load_profile
+
+LOCAL_RUNS_WITHOUT_ASKING = 4
+"""Most runs of a cluster grid (a profile with ``executor: slurm``) that run on this machine without ``--yes``."""
+
+
+class SweepLocked(DepthmemError):
+    """Another submission of the same sweep holds its lock."""
+
+
+class SweepInterrupted(DepthmemError):
+    """Ctrl-C stopped a local sweep; its runs are marked interrupted and resume on the next submission."""
+
+    exit_code = 130
+
+
+@dataclass
+class Plan:
+    """What a submission would do: the grid, its runs, resources, and a decision per run."""
+
+    grid: Grid
+    runs: list[GridRun]
+    profile: Profile
+    executor: str
+    sweep_dir: Path
+    parallelism: int
+    decisions: dict[str, str] = field(default_factory=dict)
+    """run_id -> ``submit``, ``resume``, ``evaluate``, ``done``, ``queued``, ``failed`` (skipped) or ``retry``."""
+    warnings: list[str] = field(default_factory=list)
+    migrations: dict[str, str] = field(default_factory=dict)
+    """run_id -> the folder name the same run has under the earlier id scheme, to be renamed on submission."""
+    axes: list[str] = field(default_factory=list)
+
+    def to_submit(self) -> list[GridRun]:
+        return [r for r in self.runs if self.decisions.get(r.run_id) in ("submit", "resume", "retry", "evaluate")]
+
+
+def _check_corpus(runs: list[GridRun]) -> list[str]:
+    missing = sorted(
+        {r.cfg.data.corpus for r in runs if r.cfg.data.corpus != "shakespeare" and not Path(r.cfg.data.corpus).exists()}
+    )
+    return [f"the corpus {c} does not exist yet: build it with `depthmem prepare` before submitting." for c in missing]
+
+
+def _slurm_partitions() -> list[str]:
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise DepthmemError(f"No SLURM controller answers: sinfo failed ({e}).") from None
+    if out.returncode != 0:
+        first = (out.stderr.strip() or out.stdout.strip() or "no output").splitlines()[0]
+        raise DepthmemError(
+            f"No SLURM controller answers (sinfo: {first}); start it, or run here with --executor local."
+        )
+    return [p.strip().rstrip("*") for p in out.stdout.split() if p.strip()]
+
+
+def check_executor(executor: str, profile: Profile) -> None:
+    """Fail before submitting when the executor cannot run here or the profile names an unknown partition."""
+    if executor not in EXECUTORS:
+        raise UsageError(f"Unknown executor {executor!r}; allowed: {', '.join(EXECUTORS)}.")
+    if executor != "slurm":
+        return
+    if shutil.which("sbatch") is None:
+        raise UsageError(
+            "--executor slurm needs sbatch on PATH and there is none here; use --executor local to run on this machine."
+        )
+    if profile.partition:
+        partitions = _slurm_partitions()
+        if profile.partition not in partitions:
+            raise UsageError(
+                f"Unknown partition {profile.partition!r} in the profile {profile.name!r}; "
+                f"this cluster has {', '.join(partitions) or 'no partitions'}."
+            )
+
+
+def plan(
+    grid_file: str | Path,
+    *,
+    executor: str | None = None,
+    profile: str | None = None,
+    root: str | Path | None = None,
+    retry_failed: bool = False,
+    parallelism: int | None = None,
+    overrides: list[str] | None = None,
+) -> Plan:
+    """Expand and validate a grid and decide, run by run, what a submission would do (submits nothing).
+
+    ``overrides`` (``["train.max_steps=200"]``) change the grid's base. Reading the runs' states records, as
+    failed or cancelled, runs whose jobs were stopped from outside.
+    """
+    if executor is not None and executor not in EXECUTORS:
+        raise UsageError(f"Unknown executor {executor!r}; allowed: {', '.join(EXECUTORS)}.")
+    grid = load_grid(grid_file)
+    if overrides:
+        grid.base = {**grid.base, **_dotlist(overrides, grid)}
+    prof = load_profile(profile or grid.profile)
+    runs = expand(grid, defaults=prof.config_layer())
+    sweep_dir = Path(root or default_root()) / grid.name
+    p = Plan(
+        grid,
+        runs,
+        prof,
+        executor or prof.executor,
+        sweep_dir,
+        parallelism=parallelism or grid.parallelism or prof.array_parallelism,
+        axes=axis_keys(grid),
+    )
+    p.warnings = _check_corpus(runs) + preflight.for_executor([r.cfg for r in runs], p.executor)
+    states = {row["run_id"]: row for row in run_rows(sweep_dir, read_sweep_record(sweep_dir))}
+    for r in runs:
+        run_dir = sweep_dir / r.run_id
+        if not run_dir.exists():
+            old = legacy_run_id(r.cfg)
+            if old != r.run_id and (sweep_dir / old / "config.json").exists():
+                p.migrations[r.run_id] = old
+                run_dir = sweep_dir / old
+        row = states.get(p.migrations.get(r.run_id, r.run_id), {})
+        state = row.get("state", "pending")
+        if row.get("job_active"):
+            p.decisions[r.run_id] = "queued"
+        elif state == "done":
+            todo = pending_tasks(run_dir, list(r.cfg.eval.tasks), r.cfg.eval.limit) if r.cfg.eval.tasks else []
+            p.decisions[r.run_id] = "evaluate" if todo else "done"
+        elif state in ("failed", "diverged"):
+            p.decisions[r.run_id] = "retry" if retry_failed else "failed"
+        elif (run_dir / "ckpt" / "last.ckpt").exists():
+            p.decisions[r.run_id] = "resume"
+        else:
+            p.decisions[r.run_id] = "submit"
+    return p
+
+
+def _dotlist(overrides: list[str], grid: Grid) -> dict[str, Any]:
+    import yaml
+
+    varied = axis_keys(grid)
+    out = {}
+    for item in overrides:
+        key, _, text = item.partition("=")
+        if key in varied:
+            raise UsageError(
+                f"{key} is an axis of {grid.source}; change its values in the grid file, not with {item!r}."
+            )
+        out[key] = yaml.safe_load(text) if text else ""
+    return out
+
+
+@contextlib.contextmanager
+def _own_process_groups():
+    """Start submitit's local controllers in sessions of their own, so that a run and the processes it starts
+    (DDP workers) form one group that can be stopped as a whole, and Ctrl-C in the terminal reaches only the
+    sweep, which then stops them in order."""
+    import submitit.local.local as local
+
+    real = local.subprocess
+    local.subprocess = types.SimpleNamespace(Popen=functools.partial(real.Popen, start_new_session=True))
+    try:
+        yield
+    finally:
+        local.subprocess = real
+
+
+def _executor(kind: str, folder: Path, prof: Profile, parallelism: int, name: str):
+    import submitit
+
+    ex = submitit.AutoExecutor(folder=str(folder), cluster=kind, slurm_max_num_timeout=prof.max_requeues)
+    params: dict[str, Any] = dict(
+        name=f"depthmem-{name}", timeout_min=prof.time_min, cpus_per_task=prof.cpus_per_task, mem_gb=float(prof.mem_gb)
+    )
+    if prof.gpus_per_node:  # on a CPU-only cluster a GPU request of 0 is still a gres request: leave it out
+        params["gpus_per_node"] = prof.gpus_per_node
+    if kind == "slurm":
+        setup = list(prof.setup)
+        # SLURM 22.05's srun does not pass --cpus-per-task on to the tasks it starts.
+        if not any("SRUN_CPUS_PER_TASK" in line for line in setup):
+            setup.insert(0, "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK")
+        params.update(
+            nodes=prof.nodes,
+            tasks_per_node=prof.tasks_per_node,
+            slurm_setup=setup,
+            slurm_array_parallelism=parallelism,
+            slurm_signal_delay_s=prof.signal_delay_s,
+        )
+        for key in ("partition", "account", "qos"):
+            if getattr(prof, key):
+                params[f"slurm_{key}"] = getattr(prof, key)
+        if prof.additional:
+            params["slurm_additional_parameters"] = dict(prof.additional)
+    else:
+        # One local process per run: Lightning itself starts the DDP workers that train.devices asks for. The
+        # profile's setup lines are for cluster nodes (modules, SLURM variables), so they are not run here.
+        params.update(nodes=1, tasks_per_node=1)
+    ex.update_parameters(**params)
+    return ex
+
+
+def _resource_key(r: GridRun) -> tuple:
+    s = r.cfg.slurm
+    return (
+        s.partition,
+        s.account,
+        s.qos,
+        s.time_min,
+        s.nodes,
+        s.tasks_per_node,
+        s.gpus_per_node,
+        s.cpus_per_task,
+        s.mem_gb,
+        tuple(s.setup),
+    )
+
+
+def _profile_for(base: Profile, r: GridRun) -> Profile:
+    """The base profile with the run's own ``slurm`` settings (a grid may override resources per run)."""
+    s = r.cfg.slurm
+    return dataclasses.replace(
+        base,
+        partition=s.partition,
+        account=s.account,
+        qos=s.qos,
+        time_min=s.time_min,
+        nodes=s.nodes,
+        tasks_per_node=s.tasks_per_node,
+        gpus_per_node=s.gpus_per_node,
+        cpus_per_task=s.cpus_per_task,
+        mem_gb=s.mem_gb,
+        setup=list(s.setup),
+    )
+
+
+@dataclass
+class Submission:
+    """The outcome of ``sweep``: the plan, the submitit jobs by run id, and the final rows when it waited."""
+
+    plan: Plan
+    jobs: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def sweep(
+    grid_file: str | Path,
+    *,
+    executor: str | None = None,
+    profile: str | None = None,
+    root: str | Path | None = None,
+    retry_failed: bool = False,
+    wait: bool | None = None,
+    parallelism: int | None = None,
+    poll_s: float = 2.0,
+    log=print,
+    yes: bool = False,
+    overrides: list[str] | None = None,
+) -> Submission:
+    """Submit a grid's unfinished runs as job arrays; with ``wait`` (default: local only) block until they end.
+
+    A cluster grid (its profile says ``executor: slurm``) run here with more than a handful of runs needs
+    ``yes=True``: the machine would train them all.
+    """
+    import filelock
+
+    p = plan(
+        grid_file,
+        executor=executor,
+        profile=profile,
+        root=root,
+        retry_failed=retry_failed,
+        parallelism=parallelism,
+        overrides=overrides,
+    )
+    if p.warnings:
+        raise UsageError(f"Cannot submit {p.grid.source}: {p.warnings[0]}")
+    check_executor(p.executor, p.profile)
+    todo_count = len(p.to_submit())
+    if p.executor == "local" and p.profile.executor == "slurm" and todo_count > LOCAL_RUNS_WITHOUT_ASKING and not yes:
+        raise UsageError(
+            f"{p.grid.source} is a cluster grid (profile {p.profile.name!r}) and {todo_count} runs "
+            f"would train on this machine; add --yes to run them here, or drop --executor local."
+        )
+    wait = (p.executor == "local") if wait is None else wait
+    writable_dir(p.sweep_dir, "sweep folder")
+    remove_stale_temps(p.sweep_dir)
+    lock = filelock.FileLock(str(p.sweep_dir / ".sweep.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        raise SweepLocked(
+            f"The sweep {p.grid.name!r} is locked by another submission "
+            f"({p.sweep_dir / '.sweep.lock'}); wait for it to finish or check "
+            f"`depthmem status {p.grid.name}`."
+        ) from None
+    try:
+        # The lock is held, so the decisions are made again now that no other submission can change them.
+        p = plan(
+            grid_file,
+            executor=p.executor,
+            profile=profile,
+            root=root,
+            retry_failed=retry_failed,
+            parallelism=parallelism,
+            overrides=overrides,
+        )
+        _migrate(p, log)
+        sub = Submission(p)
+        _announce(p, log)
+        todo = p.to_submit()
+        for r in todo:
+            run_dir = p.sweep_dir / r.run_id
+            write_config(run_dir, r.cfg)  # evaluation settings may have changed since it trained
+            decision = p.decisions[r.run_id]
+            if decision in ("submit", "retry"):
+                write_status(run_dir, "pending", message="submitted", submitted=now_iso(), cancelled=None)
+            elif decision == "resume":
+                step = read_status(run_dir).get("ckpt_step") or 0
+                write_status(
+                    run_dir,
+                    "pending",
+                    message=f"submitted; resumes from step {step}",
+                    submitted=now_iso(),
+                    cancelled=None,
+                )
+        record = _read_record(p)
+        _save_record(p, record, {})
+        if p.executor == "local" and wait:
+            sub.jobs = _run_local_window(p, todo, record, log, poll_s)
+        else:
+            sub.jobs = _submit_arrays(p, todo, record, log)
+            if wait:
+                _wait(p, sub.jobs, poll_s)
+        sub.rows = sweep_status(p.sweep_dir)
+        return sub
+    finally:
+        lock.release()
+
+
+def _migrate(p: Plan, log) -> None:
+    """Rename run folders of the earlier id scheme (``<variant>-<hash>-s<seed>``) to the runs' current ids."""
+    if not p.migrations:
+        return
+    rows = {r["run_id"]: r for r in run_rows(p.sweep_dir, read_sweep_record(p.sweep_dir))}
+    for old in p.migrations.values():
+        if rows.get(old, {}).get("job_active"):
+            raise UsageError(
+                f"The run folder {old} still has a job running under the earlier id scheme; wait "
+                f"for it to end (depthmem status {p.grid.name}) and submit again."
+            )
+    record = read_sweep_record(p.sweep_dir)
+    renamed = {old: new for new, old in p.migrations.items()}
+    for new, old in p.migrations.items():
+        os.rename(p.sweep_dir / old, p.sweep_dir / new)
+    for entry in record.get("runs", []):
+        if entry.get("run_id") in renamed:
+            entry.update(run_id=renamed[entry["run_id"]], run_dir=renamed[entry["run_id"]])
+    if record:
+        atomic_write_json(p.sweep_dir / "sweep.json", record)
+    log(
+        f"renamed {len(renamed)} run folder(s) to ids that carry their grid values, e.g. "
+        f"{next(iter(renamed))} -> {next(iter(renamed.values()))}"
+    )
+
+
+def _announce(p: Plan, log) -> None:
+    groups: dict[str, list[str]] = {}
+    for rid, decision in p.decisions.items():
+        groups.setdefault(decision, []).append(rid)
+    if groups.get("done"):
+        log(f"skipping {len(groups['done'])} finished run(s): {', '.join(groups['done'])}")
+    if groups.get("queued"):
+        log(f"skipping {len(groups['queued'])} run(s) still queued or running: {', '.join(groups['queued'])}")
+    if groups.get("failed"):
+        log(
+            f"skipping {len(groups['failed'])} failed run(s) (rerun them with --retry-failed): "
+            f"{', '.join(groups['failed'])}"
+        )
+    for what, label in (
+        ("resume", "resuming from their last checkpoint"),
+        ("retry", "retrying"),
+        ("evaluate", "evaluating on the tasks they have no result of"),
+        ("submit", "starting"),
+    ):
+        if groups.get(what):
+            log(f"{label}: {len(groups[what])} run(s)")
+    if not p.to_submit():
+        log("nothing to submit.")
+
+
+def _read_record(p: Plan) -> dict[str, Any]:
+    record = read_sweep_record(p.sweep_dir)
+    old = {r["run_id"]: r for r in record.get("runs", [])}
+    runs, todo = [], {r.run_id for r in p.to_submit()}
+    for r in p.runs:
+        entry = dict(old.get(r.run_id, {}))
+        if r.run_id in todo:
+            # Until its new job exists the run has none: the old job's end must not read as this run failing.
+            for key in ("job_id", "executor", "submitted"):
+                entry.pop(key, None)
+        entry.update(run_id=r.run_id, run_dir=r.run_id, variant=r.cfg.variant, overrides=r.overrides)
+        runs.append(entry)
+    # Runs dropped from the grid since an earlier submission stay listed: their directories still exist.
+    runs += [e for rid, e in old.items() if rid not in {r.run_id for r in p.runs}]
+    record.update(name=p.grid.name, grid=str(p.grid.source), axes=p.axes, runs=runs, updated=now_iso())
+    record.setdefault("created", now_iso())
+    record.setdefault("submissions", [])
+    return record
+
+
+def _save_record(p: Plan, record: dict[str, Any], jobs: dict[str, Any]) -> None:
+    """Write sweep.json with the runs' latest job ids and this submission's entry in ``submissions``."""
+    if jobs:
+        current = record.setdefault(
+            "_current",
+            {
+                "time": now_iso(),
+                "executor": p.executor,
+                "profile": p.profile.name,
+                "parallelism": p.parallelism,
+                "job_ids": {},
+            },
+        )
+        for entry in record["runs"]:
+            if entry["run_id"] in jobs:
+                job_id = str(jobs[entry["run_id"]].job_id)
+                if entry.get("job_id") != job_id:
+                    entry.update(job_id=job_id, executor=p.executor, submitted=now_iso())
+                current["job_ids"][entry["run_id"]] = job_id
+    out = {k: v for k, v in record.items() if k != "_current"}
+    if "_current" in record:
+        out["submissions"] = record["submissions"] + [record["_current"]]
+    out["updated"] = now_iso()
+    atomic_write_json(p.sweep_dir / "sweep.json", out)
+
+
+def _refusal(e: BaseException) -> str:
+    """The line of a failed sbatch call that says why."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in lines:
+        if "error" in ln.lower() and "sbatch" in ln.lower():
+            return ln
+    return lines[-1] if lines else type(e).__name__
+
+
+def _submit_arrays(p: Plan, todo: list[GridRun], record: dict[str, Any], log) -> dict[str, Any]:
+    """One job array per distinct resource request, each with the sweep's parallelism limit."""
+    jobs: dict[str, Any] = {}
+    groups: dict[tuple, list[GridRun]] = {}
+    for r in todo:
+        groups.setdefault(_resource_key(r), []).append(r)
+    for runs in groups.values():
+        ex = _executor(p.executor, p.sweep_dir / "jobs", _profile_for(p.profile, runs[0]), p.parallelism, p.grid.name)
+        # batch() packs the submissions into one array while each task keeps its own checkpointable callable
+        # (map_array would share one function, and requeueing needs the callable's checkpoint method).
+        try:
+            with _own_process_groups(), ex.batch():
+                submitted = [ex.submit(RunJob(p.sweep_dir / r.run_id)) for r in runs]
+        except Exception as e:  # sbatch refused the array: no run of it will ever start
+            reason = f"the scheduler refused the job: {_refusal(e)}"
+            for r in runs:
+                write_status(p.sweep_dir / r.run_id, "failed", message=reason)
+            _save_record(p, record, jobs)
+            raise DepthmemError(
+                f"Submitting {len(runs)} run(s) of {p.grid.name} failed ({_refusal(e)}); they "
+                f"are marked failed: fix the profile and run `depthmem sweep {p.grid.source} "
+                "--retry-failed`."
+            ) from None
+        for r, job in zip(runs, submitted):
+            jobs[r.run_id] = job
+            _note_job(p.sweep_dir / r.run_id, str(job.job_id))
+        if submitted:
+            log(
+                f"submitted {len(submitted)} run(s) to {p.executor} as job(s) "
+                f"{_id_span([str(j.job_id) for j in submitted])}"
+            )
+    _save_record(p, record, jobs)
+    return jobs
+
+
+def _note_job(run_dir: Path, job_id: str) -> None:
+    write_status(run_dir, read_status(run_dir).get("state", "pending"), job_id=job_id)
+
+
+def _id_span(ids: list[str]) -> str:
+    return ids[0] if len(ids) == 1 else f"{ids[0]} .. {ids[-1]}"
+
+
+def _run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, poll_s: float) -> dict[str, Any]:
+    """Local runs, at most ``parallelism`` at a time: the local executor has no array throttle of its own.
+
+    Ctrl-C stops the running ones (their whole process groups), marks them interrupted and leaves the ones not
+    yet started pending; the same command resumes both.
+    """
+    ex = _executor("local", p.sweep_dir / "jobs", p.profile, p.parallelism, p.grid.name)
+    pending, running, jobs = list(todo), {}, {}
+    try:
+        while pending or running:
+            while pending and len(running) < p.parallelism:
+                r = pending.pop(0)
+                with _own_process_groups():
+                    job = ex.submit(RunJob(p.sweep_dir / r.run_id))
+                jobs[r.run_id] = running[r.run_id] = job
+                _note_job(p.sweep_dir / r.run_id, str(job.job_id))
+                _save_record(p, record, jobs)
+                log(f"started {r.run_id} (local job {job.job_id})")
+            time.sleep(poll_s if running else 0)
+            for rid, job in list(running.items()):
+                if job.done():
+                    del running[rid]
+                    row = next(
+                        x
+                        for x in run_rows(
+                            p.sweep_dir,
+                            {"runs": [e for e in record["runs"] if e["run_id"] == rid], "grid": record.get("grid", "")},
+                        )
+                    )
+                    log(f"{row['state']}: {rid}" + (f" ({row['reason']})" if row.get("reason") else ""))
+    except KeyboardInterrupt:
+        log(f"interrupted: stopping {len(running)} run(s) ...")
+        stop_local([str(j.job_id) for j in running.values()], reap=lambda: [j.done() for j in running.values()])
+        for rid in running:
+            status = read_status(p.sweep_dir / rid)
+            if status.get("state") not in ("done", "failed", "diverged"):
+                step = status.get("ckpt_step") or 0
+                write_status(
+                    p.sweep_dir / rid,
+                    "interrupted",
+                    message=f"interrupted by Ctrl-C at step {status.get('step') or 0}; the last "
+                    f"checkpoint is at step {step}",
+                )
+        for r in pending:
+            write_status(p.sweep_dir / r.run_id, "pending", message="not started: the sweep was interrupted")
+        raise SweepInterrupted(
+            f"Interrupted: {len(running)} run(s) stopped and marked interrupted, {len(pending)} "
+            f"not started; `depthmem sweep {p.grid.source}` resumes them."
+        ) from None
+    return jobs
+
+
+def _wait(p: Plan, jobs: dict[str, Any], poll_s: float) -> None:
+    while True:
+        rows = {r["run_id"]: r for r in sweep_status(p.sweep_dir)}
+        if not any(rows.get(rid, {}).get("job_active") for rid in jobs):
+            return
+        time.sleep(poll_s)
+
+
+def describe_plan(p: Plan) -> str:
+    """The dry-run text: every run with its grid values and decision, then the resources each job asks for."""
+    from harness.training.budget import tokens_per_step, train_steps
+
+    rows = [
+        {
+            "run_id": r.run_id,
+            **{k: r.overrides.get(k, "") for k in p.axes},
+            "steps": train_steps(r.cfg),
+            "tokens": train_steps(r.cfg) * tokens_per_step(r.cfg),
+            "action": p.decisions.get(r.run_id),
+        }
+        for r in p.runs
+    ]
+    lines = [
+        f"sweep {p.grid.name}: {len(p.runs)} run(s) in {p.sweep_dir}",
+        format_rows(rows, ["run_id", *p.axes, "steps", "tokens", "action"]),
+    ]
+    budgets = sorted({(row["steps"], row["tokens"]) for row in rows})
+    if len(budgets) == 1:
+        lines.append(f"budget: every run trains {budgets[0][0]:,} steps on {budgets[0][1]:,} tokens")
+    else:
+        lines.append(
+            f"budget: the runs train on {len(budgets)} different budgets, from {budgets[0][1]:,} to "
+            f"{budgets[-1][1]:,} tokens (the grid varies the budget or the model size)"
+        )
+    pr = p.profile
+    res = (
+        f"resources ({p.executor}, profile {pr.name}): partition={pr.partition or '(default)'} "
+        f"account={pr.account or '-'} qos={pr.qos or '-'} time={pr.time_min}min nodes={pr.nodes} "
+        f"tasks_per_node={pr.tasks_per_node} gpus_per_node={pr.gpus_per_node} cpus_per_task={pr.cpus_per_task} "
+        f"mem={pr.mem_gb:g}GB; {len(p.to_submit())} job(s) as an array, at most {p.parallelism} at a time"
+    )
+    lines.append(res)
+    if pr.setup:
+        lines.append("setup: " + "; ".join(pr.setup))
+    from harness.sweeps.estimate import describe_costs
+
+    lines.append(describe_costs(p.runs, pr))
+    if p.migrations:
+        lines.append(
+            f"{len(p.migrations)} run folder(s) of the earlier id scheme will be renamed on submission, "
+            f"e.g. {next(iter(p.migrations.values()))} -> {next(iter(p.migrations))}"
+        )
+    lines += [f"warning: {w}" for w in p.warnings]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "Plan",
+    "Submission",
+    "SweepLocked",
+    "SweepInterrupted",
+    "plan",
+    "sweep",
+    "check_executor",
+    "describe_plan",
+    "default_root",
+]

@@ -1,0 +1,91 @@
+"""Loading a trained model for evaluation and reports: a run directory or a ``.ckpt`` file in, a float32 decoder in
+eval mode, its tokenizer and its config out.
+
+The config comes from the run directory's ``config.json`` when there is one (the checkpoint's own copy
+otherwise), so a checkpoint that does not fit the config it sits beside is reported rather than half loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+from harness.config import RunConfig, build_config
+from harness.errors import UsageError
+
+
+def _locate(path: Path) -> tuple[Path, Path | None]:
+    """(checkpoint file, run directory or None) for a run directory or a checkpoint path."""
+    if path.is_dir():
+        ckpt = path / "ckpt" / "last.ckpt"
+        if not ckpt.is_file():
+            raise UsageError(
+                f"The run directory {str(path)!r} has no checkpoint ckpt/last.ckpt: it has not trained "
+                "far enough to save one."
+            )
+        return ckpt, path
+    if not path.is_file():
+        raise UsageError(f"{str(path)!r} is neither a run directory nor a checkpoint file.")
+    for candidate in (path.parent.parent, path.parent):
+        if (candidate / "config.json").is_file():
+            return path, candidate
+    return path, None
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """The checkpoint dictionary (tensors on CPU), or a usage error when the file is truncated or corrupt."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, KeyError, OSError) as e:
+        # A zip cut short inside its directory makes the reader seek before the file's start (EINVAL).
+        raise UsageError(
+            f"The checkpoint {str(path)!r} is truncated or corrupt ({type(e).__name__}); "
+            "use an earlier checkpoint or train again."
+        ) from None
+
+
+def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu"):
+    """``(decoder, tokenizer, config)`` of a run directory or checkpoint: float32, eval mode, on ``device``."""
+    from harness import rundir
+    from harness.data import tokenizer as toklib
+    from harness.model.factory import build_model
+
+    ckpt_path, run_dir = _locate(Path(path))
+    ckpt = read_checkpoint(ckpt_path)
+    extra = ckpt.get("depthmem") or {}
+    if "state_dict" not in ckpt:
+        raise UsageError(f"The checkpoint {str(ckpt_path)!r} holds no model weights (no state_dict).")
+    if run_dir is not None:
+        cfg: RunConfig = rundir.read_config(run_dir)
+    elif "config" in extra:
+        cfg = build_config(extra["config"], source=str(ckpt_path))
+    else:
+        raise UsageError(f"The checkpoint {str(ckpt_path)!r} carries no config and has no config.json beside it.")
+    model = build_model(cfg.model, cfg.variant)
+    prefix = "model."
+    state = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    # torch.compile'd training leaves an ``_orig_mod.`` in the names when the whole module was wrapped.
+    state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError:
+        raise UsageError(
+            f"The checkpoint {str(ckpt_path)!r} does not match its config (variant {cfg.variant!r}, "
+            f"preset {cfg.model.preset!r}, d_model {cfg.model.d_model}, {cfg.model.n_layers} layers): "
+            "it was saved by a different model."
+        ) from None
+    tok = toklib.load_from_run(run_dir) if run_dir is not None else None
+    if tok is None and "tokenizer" in extra:
+        tok = toklib.from_spec(extra["tokenizer"])
+    if tok is None:
+        from harness.data.corpus import get_tokenizer
+
+        tok = get_tokenizer(cfg)
+    model = model.float().to(device).eval()
+    return model, tok, cfg
