@@ -265,6 +265,20 @@ class TestFullDisk:
         _no_space(line)
         assert not temp_files(d.path)
 
+    def test_status_on_a_full_disk_still_reports_a_killed_run(self, capsys, disk, finished_sweep):
+        """Status corrects a run whose process died without a word; with no room to record that, it still shows it."""
+        _, results, (killed, done) = finished_sweep
+        d = disk(32 * 1024 * 1024)
+        shutil.copytree(results, d.path / "results")
+        status_file = d.path / "results" / "pair" / killed / "status.json"
+        status_file.write_text(json.dumps(dict(json.loads(status_file.read_text()), state="running")))
+        d.fill()
+        out, _ = succeeds(capsys, ["status", "pair", "--results", str(d.path / "results"), "--json"])
+        rows = {r["run_id"]: r for r in json.loads(out)}
+        assert rows[done]["state"] == "done"
+        assert rows[killed]["state"] == "failed" and "ended without finishing" in rows[killed]["reason"]
+        assert not temp_files(d.path / "results")
+
     def test_bench_on_a_full_disk(self, capsys, disk):
         d = disk()
         d.fill()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError
+from harness.io import DiskFull
 from harness.rundir import DAMAGED, axis_label, now_iso, read_status, read_summary, read_sweep_record, write_status
 from harness.sweeps.grid import load_grid
 
@@ -252,7 +253,10 @@ def reconcile(
             reason = f"job {job_id} {detail}: {reason}".rstrip(": ")  # the scheduler's word comes first
         if new_state != state or reason != row["reason"]:
             if new_state != state:
-                write_status(run_dir, new_state, message=reason)
+                try:
+                    write_status(run_dir, new_state, message=reason)
+                except DiskFull:
+                    pass  # the row still tells the truth; the next status call, with room, records it
             row.update(state=new_state, reason=reason)
     row["advice"] = advice(row["state"], grid, resume_step)
     return row
