@@ -189,11 +189,14 @@ def test_eval_dry_run_prints_the_plan(tmp_path, capsys):
 
 
 def test_lm_eval_arguments_pass_through_with_the_offline_folder():
+    import torch
+
     from harness.commands.lm_eval import lm_eval_argv
     from harness.evaluation.tasks import TASKS_DIR
 
     args = ["run", "--model", "depthmem", "--tasks", "offline_copa"]
-    assert lm_eval_argv(args) == args + ["--include_path", str(TASKS_DIR)]
+    device = [] if torch.cuda.is_available() else ["--device", "cpu"]  # the device recorded is the one used
+    assert lm_eval_argv(args) == args + ["--include_path", str(TASKS_DIR), *device]
     mine = ["run", "--include_path", "/my/tasks", "--tasks", "x"]
     assert lm_eval_argv(mine) == mine
     assert lm_eval_argv(["--help"]) == ["--help"]

@@ -594,6 +594,7 @@ def bench(
         raise UsageError(f"Unknown device {device!r}: allowed values are {', '.join(DEVICES)}.")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
+    made_out_dir = out_dir is not None and not Path(out_dir).exists()
     if out_dir is not None:
         from harness.io import writable_dir
 
@@ -614,6 +615,8 @@ def bench(
     load_before = _loadavg()
     if require_quiet and busy(load_before, [], threads):
         torch.set_num_threads(old_threads)
+        if made_out_dir and not any(Path(out_dir).iterdir()):
+            Path(out_dir).rmdir()  # a refused run leaves nothing behind, not even its empty folder
         raise RunFailed(
             f"The machine is busy (load average {load_before} on {os.cpu_count()} CPUs, {threads} "
             "threads asked for): reference numbers need a quiet machine; try again later."
