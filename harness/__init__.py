@@ -16,12 +16,12 @@ import importlib
 
 from harness.config import ModelConfig, RunConfig, build_config, load_config, model_preset
 from harness.errors import DepthmemError, RunFailed, UsageError
-from harness.model.factory import build_model
 
 __version__ = "0.1.0"
 
 # name -> module that defines it; resolved on first attribute access (PEP 562).
 _LAZY = {
+    "build_model": "harness.model.factory",
     "train": "harness.training.trainer",
     "load_model": "harness.training.checkpoint",
     "get_tokenizer": "harness.data.corpus",
@@ -50,7 +50,6 @@ __all__ = [
     "build_config",
     "load_config",
     "model_preset",
-    "build_model",
     "DepthmemError",
     "UsageError",
     "RunFailed",

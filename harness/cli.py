@@ -12,6 +12,8 @@ import importlib
 import os
 import sys
 
+from harness import __version__
+from harness.commands import lm_eval
 from harness.errors import DepthmemError
 
 # Listed by hand so the order of ``--help`` is deliberate and a missing module is an obvious error.
@@ -44,8 +46,6 @@ def _version() -> str:
     try:
         return metadata.version("depthmem")
     except metadata.PackageNotFoundError:
-        from harness import __version__
-
         return __version__
 
 
@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     # ``lm-eval`` hands everything after it to lm-eval's own command line untouched.
     if argv and argv[0] == "lm-eval":
         args = argparse.Namespace(debug=False, command="lm-eval", rest=argv[1:])
-        from harness.commands import lm_eval
 
         args._run = lm_eval.run
     else:

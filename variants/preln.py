@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.errors import UsageError
 from harness.registry import knob
 from variants.base import DepthMixer, prefix_ones, register
 
 
 def _parse_match(text: str) -> str:
     """The canonical name of the variant to match (``ValueError`` for a name the registry does not know)."""
-    from harness.errors import UsageError
     from variants.base import REGISTRY
 
     text = text.strip()
@@ -55,7 +55,6 @@ class PreLN(DepthMixer):
     def __init__(self, cfg, *, d_model: int, n_layers: int):
         super().__init__(cfg, d_model=d_model, n_layers=n_layers)
         if cfg.match:
-            from harness.errors import UsageError
             from variants.base import REGISTRY
 
             entry, other = REGISTRY.config(cfg.match)

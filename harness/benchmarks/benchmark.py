@@ -28,8 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.benchmarks.memory import AllocatorPeak
 from harness.config import PRESETS, ModelConfig, model_preset
 from harness.errors import RunFailed, UsageError
+from harness.io import atomic_write_bytes, atomic_write_json, atomic_write_text, writable_dir
+from harness.model.factory import build_model
 
 BASELINE = "preln"
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
@@ -164,6 +167,7 @@ def _positive_ints(name: str, values: Iterable[int], *, even: bool = False) -> t
 
 def resolve_variants(names: Sequence[str] | None) -> list[str]:
     """The variants to measure, canonical and deduplicated, with the PreLN baseline first."""
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     import variants
 
     if isinstance(names, str):
@@ -291,7 +295,6 @@ def static_bytes(model: torch.nn.Module) -> int:
 
 def cpu_peak_allocated_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes live at any moment while ``fn`` runs, counting only what ``fn`` allocates (CPU allocator)."""
-    from harness.benchmarks.memory import AllocatorPeak
 
     # The CPU counterpart of torch.cuda.max_memory_allocated, from the profiler's allocator totals.
     peak = AllocatorPeak("cpu")
@@ -410,7 +413,6 @@ def _measure_shape(
     references,
     log,
 ) -> list[dict]:
-    from harness.model.factory import build_model
 
     cfg = model_config(preset, shape, vocab)
     gen = torch.Generator().manual_seed(seed)
@@ -596,8 +598,6 @@ def bench(
         raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
     made_out_dir = out_dir is not None and not Path(out_dir).exists()
     if out_dir is not None:
-        from harness.io import writable_dir
-
         writable_dir(out_dir, "benchmark output folder")  # before the measurements, not after them
     dev = torch.device(device)
 
@@ -829,14 +829,12 @@ def plot_overhead(df, path: str | os.PathLike) -> Path:
     buf = io.BytesIO()
     grid.figure.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     plt.close(grid.figure)
-    from harness.io import atomic_write_bytes
 
     return atomic_write_bytes(path, buf.getvalue())
 
 
 def write_outputs(df, out_dir: str | os.PathLike) -> dict[str, Path]:
     """Write the CSV, the scaling fits, the run's settings and the plot into ``out_dir``."""
-    from harness.io import atomic_write_json, atomic_write_text
 
     out = Path(out_dir)
     paths = {

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from harness.benchmarks.benchmark import Shape, _step_fn, _time_steps, model_config, resolve_variants
+from harness.config import PRESETS
+from harness.model.factory import build_model
 
 
 def compile_gain(
@@ -30,9 +32,6 @@ def compile_gain(
 ):
     """One row per variant: eager and compiled step time, speedup, and the seconds the first compiled step took."""
     import pandas as pd
-
-    from harness.config import PRESETS
-    from harness.model.factory import build_model
 
     base = PRESETS[preset]
     cfg = model_config(preset, Shape(2 * base["n_blocks"], base["d_model"], seq_len))

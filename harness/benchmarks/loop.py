@@ -26,7 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.config import build_config
+from harness.data import corpus as datalib
 from harness.errors import UsageError
+from harness.io import atomic_write_text
+from harness.model.factory import build_model
 
 COLUMNS = [
     "variant",
@@ -79,7 +83,6 @@ def run_config(
     seq_len: int,
     seed: int,
 ):
-    from harness.config import build_config
 
     return build_config(
         {
@@ -101,8 +104,7 @@ def run_config(
 
 def bare_loop(cfg, steps: int) -> float:
     """Seconds of steps ``2 .. steps`` of the plain loop: forward, loss, backward, clip, AdamW, schedule."""
-    from harness.data import corpus as datalib
-    from harness.model.factory import build_model
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.training.trainer import lr_factor, seq_len_of
 
     t = cfg.train
@@ -266,8 +268,6 @@ def loop_bench(
         torch.set_num_threads(old_threads)
     df = pd.DataFrame(rows, columns=COLUMNS)
     if out_dir is not None:
-        from harness.io import atomic_write_text
-
         atomic_write_text(Path(out_dir) / "loop_bench.csv", df.to_csv(index=False))
     return df
 

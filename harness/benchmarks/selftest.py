@@ -27,6 +27,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from harness.benchmarks.benchmark import _step_fn
+from harness.config import build_config, model_preset
+from harness.errors import UsageError
+from harness.io import atomic_write_json
+from harness.model.factory import build_model
+
 # bf16 dense peak of known cards, TFLOP/s (vendor data sheets; SXM parts where there are two).
 PEAK_BF16_TFLOPS = {
     "H200": 989.0,
@@ -58,7 +64,6 @@ def _sync(device: torch.device) -> None:
 
 def check_numerics(variant: str, cfg, device: torch.device, *, batch: int = 2, seed: int = 0) -> dict[str, Any]:
     """Float32 forward and backward on ``device`` against a float64 CPU reference of the same weights."""
-    from harness.model.factory import build_model
 
     torch.manual_seed(seed)
     ref = build_model(cfg, variant).double()
@@ -94,7 +99,7 @@ def check_training(
     """A short run through the trainer: every loss finite and the last below the first."""
     import csv
 
-    from harness.config import build_config
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.training.trainer import train
 
     cfg = build_config(
@@ -144,10 +149,7 @@ def measure_speed(
     peak_tflops: float | None,
 ) -> dict[str, Any]:
     """Tokens/s of training steps (forward, loss, backward; no optimizer) and the FLOP/s they reach."""
-    from harness.benchmarks.benchmark import _step_fn
-    from harness.config import model_preset
     from harness.model.costs import preln_flops_per_token
-    from harness.model.factory import build_model
 
     cfg = model_preset(preset, max_seq_len=max(seq_len, model_preset(preset).max_seq_len))
     torch.manual_seed(0)
@@ -192,7 +194,6 @@ def measure_speed(
 
 def check_compile(variant: str, cfg, *, steps: int, seed: int = 0) -> dict[str, Any]:
     """Eager and compiled training (AdamW, the same batches) from the same weights: largest loss difference."""
-    from harness.model.factory import build_model
 
     losses = {}
     for compiled in (False, True):
@@ -237,9 +238,6 @@ def selftest(
 ) -> dict[str, Any]:
     """Run every part on ``device``; returns (and writes to ``out_dir/selftest.json``) what each part found."""
     import variants as registry
-    from harness.config import model_preset
-    from harness.errors import UsageError
-    from harness.io import atomic_write_json
 
     if device not in ("cpu", "cuda"):
         raise UsageError(f"Unknown device {device!r}: allowed values are cpu, cuda.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from harness.errors import UsageError
+from harness.io import atomic_write_text
 
 # --quick: the smallest run that still exercises every variant and every output file.
 QUICK = dict(preset="tiny", depths=[4], seqs=[32], batch_size=2, repeats=1, warmup=1)
@@ -115,8 +116,8 @@ def add_parser(sub):
 def _run_compile(args, settings) -> int:
     from pathlib import Path
 
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.benchmarks.compile import compile_gain
-    from harness.io import atomic_write_text
 
     df = compile_gain(
         settings["variants"],

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from harness.io import read_json
+from harness.sweeps.jobstate import cancel, resolve_sweep_dir
+
 
 def add_parser(sub):
     p = sub.add_parser(
@@ -23,8 +26,6 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from harness.io import read_json
-    from harness.sweeps.jobstate import cancel, resolve_sweep_dir
 
     cancelled = cancel(args.sweep, args.results)
     if cancelled:

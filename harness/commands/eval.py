@@ -37,6 +37,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.evaluation.evaluator import check_options, evaluate, parse_tasks, run_directory
 
     check_options(limit=args.limit, batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)

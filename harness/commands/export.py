@@ -17,6 +17,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.model.export import export_hf
 
     out = export_hf(args.run, args.hf)

@@ -31,6 +31,7 @@ def add_parser(sub):
 
 def lm_eval_argv(rest: list[str]) -> list[str]:
     """The arguments handed to lm-eval: the user's, plus the offline suite's folder when none is named."""
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.evaluation.tasks import TASKS_DIR
 
     argv = list(rest)

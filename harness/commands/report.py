@@ -31,6 +31,7 @@ def add_parser(sub):
 def run(args) -> int:
     from dataclasses import asdict
 
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.reporting.report import report, resolve_target
 
     sweep_dir, spec = resolve_target(args.sweep, args.results_dir)

@@ -40,6 +40,7 @@ def add_parser(sub):
 def run(args) -> int:
     import sys
 
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.benchmarks.selftest import format_report, selftest
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None

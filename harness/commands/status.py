@@ -6,6 +6,9 @@ import json
 import sys
 import time
 
+from harness.errors import UsageError
+from harness.sweeps.jobstate import axis_columns, format_rows, sweep_status
+
 COLUMNS = ["state", "step", "loss", "val_loss", "job_id", "node", "reason"]
 
 
@@ -40,6 +43,7 @@ def add_parser(sub):
 
 
 def _progress(row) -> str:
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.training.trainer import duration
 
     total = row.get("total_steps")
@@ -51,7 +55,6 @@ def _progress(row) -> str:
 
 
 def table(rows) -> str:
-    from harness.sweeps.jobstate import axis_columns, format_rows
 
     axes = axis_columns(rows)
     for row in rows:
@@ -65,8 +68,6 @@ def table(rows) -> str:
 
 
 def run(args) -> int:
-    from harness.errors import UsageError
-    from harness.sweeps.jobstate import sweep_status
 
     if args.watch is not None and not args.watch > 0:
         raise UsageError(f"--watch takes a positive number of seconds, got {args.watch}.")

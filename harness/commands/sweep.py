@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from harness.commands.train import check_overrides
+from harness.errors import UsageError
+from harness.sweeps.grid import combinations, load_grid
+from harness.sweeps.jobstate import axis_columns, format_rows
+from harness.sweeps.submit import check_executor, describe_plan, plan, sweep
+
 
 def add_parser(sub):
     p = sub.add_parser(
@@ -84,8 +90,6 @@ CONFIRM_RUNS = 1000
 def confirm_limit() -> int:
     import os
 
-    from harness.errors import UsageError
-
     text = os.environ.get("DEPTHMEM_CONFIRM_RUNS", "").strip()
     if not text:
         return CONFIRM_RUNS
@@ -100,8 +104,6 @@ def confirm_limit() -> int:
 
 def check_size(grid_file: str, yes: bool) -> None:
     """Refuse, before anything is expanded or written, a grid larger than the limit unless --yes confirms it."""
-    from harness.errors import UsageError
-    from harness.sweeps.grid import combinations, load_grid
 
     limit = confirm_limit()
     n = len(combinations(load_grid(grid_file)))
@@ -117,16 +119,12 @@ RESULT_COLUMNS = ["state", "val_loss", "val_bpb", "params", "tokens_per_s", "rea
 
 
 def overrides_of(args) -> list[str]:
-    from harness.commands.train import check_overrides
 
     extra = [f"train.wandb_project={args.wandb_project}"] if getattr(args, "wandb_project", None) else []
     return check_overrides(list(args.set_overrides) + list(args.overrides)) + extra
 
 
 def run(args) -> int:
-    from harness.errors import UsageError
-    from harness.sweeps.jobstate import axis_columns, format_rows
-    from harness.sweeps.submit import check_executor, describe_plan, plan, sweep
 
     if args.parallelism is not None and args.parallelism < 1:
         raise UsageError(f"--parallelism must be a positive integer, got {args.parallelism}.")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 
+from harness import preflight
+from harness.config import build_config, load_config, read_yaml
+from harness.errors import UsageError
+
 
 def add_parser(sub):
     p = sub.add_parser(
@@ -47,7 +51,6 @@ def add_parser(sub):
 
 def check_overrides(items: list[str]) -> list[str]:
     """``key=value`` overrides, each checked for its ``=`` so a slip is one sentence, not OmegaConf's words."""
-    from harness.errors import UsageError
 
     for item in items:
         key, eq, _ = item.partition("=")
@@ -59,13 +62,9 @@ def check_overrides(items: list[str]) -> list[str]:
 def resolve(args):
     """The RunConfig the arguments describe: config file, then --preset/--variant, then the flags, then the
     KEY=VALUE overrides (``--set`` ones first)."""
-    from harness.config import build_config, load_config
-    from harness.errors import UsageError
 
     layers: list = []
     if args.config:
-        from harness.config import read_yaml
-
         load_config(args.config)  # validates the file, with its own error messages
         layers.append(read_yaml(args.config) or {})
     for flag, value in (("--preset", args.preset), ("--variant", args.variant)):
@@ -89,9 +88,8 @@ def resolve(args):
 
 
 def run(args) -> int:
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     import variants
-    from harness import preflight
-    from harness.errors import UsageError
 
     cfg = resolve(args)
     variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)

@@ -18,6 +18,7 @@ def add_parser(sub):
 
 
 def run(args) -> int:
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     import variants
 
     if args.costs:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from harness.config import model_preset
 from harness.data import tokenizer as toklib
 from harness.errors import UsageError
 from harness.io import (
@@ -444,8 +445,6 @@ def prepare(
             raise UsageError(f"The input {path!r} is empty: there is nothing in it to prepare.")
     bpe_size = _bpe_size(tokenizer)
     if preset is not None:  # before any work: will the model this corpus is for fit its tokenizer?
-        from harness.config import model_preset
-
         vocab = model_preset(preset).vocab_size
         size = bpe_size or (toklib.GPT2_VOCAB_SIZE if tokenizer == "gpt2" else toklib.from_file(tokenizer).vocab_size)
         if size > vocab:

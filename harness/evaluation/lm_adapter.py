@@ -27,6 +27,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from harness.errors import UsageError
+from harness.training.checkpoint import load_model
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,6 @@ class DepthmemLM(TemplateLM):
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         self.run_config = None  # the checkpoint's RunConfig; None for a model handed over in memory
         if checkpoint is not None:
-            from harness.training.checkpoint import load_model
-
             model, tokenizer, self.run_config = load_model(self.checkpoint, device=device)
         elif model is None or tokenizer is None:
             raise UsageError("The depthmem model needs checkpoint=PATH (a run directory or a .ckpt file).")

@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 
 from harness.config import ModelConfig, model_preset
+from harness.model.factory import matched_ffn_hidden
 
 COLUMNS = [
     "variant",
@@ -48,7 +49,6 @@ def matched_width_cost(model: ModelConfig, mixer) -> tuple[int, int]:
     target = mixer.params_to_match()
     if not target:
         return 0, 0
-    from harness.model.factory import matched_ffn_hidden
 
     units = (matched_ffn_hidden(model, target, mixer.extra_params()) - model.ffn_hidden) * model.n_blocks
     return 3 * model.d_model * units, 6 * model.d_model * units
@@ -56,6 +56,7 @@ def matched_width_cost(model: ModelConfig, mixer) -> tuple[int, int]:
 
 def cost_table(preset: str, specs: list[str] | None = None) -> pd.DataFrame:
     """One row per variant (every registered one, default knobs, unless ``specs`` names some) at ``preset``."""
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     import variants
 
     model = model_preset(preset)

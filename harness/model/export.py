@@ -17,6 +17,8 @@ import torch
 
 from harness.data.tokenizer import EOT
 from harness.errors import UsageError
+from harness.io import writable_dir
+from harness.training.checkpoint import load_model
 
 
 def llama_state_dict(model) -> dict[str, torch.Tensor]:
@@ -76,8 +78,6 @@ def export_hf(run: str | os.PathLike, out: str | os.PathLike) -> Path:
         import transformers
     except ImportError:
         raise UsageError("Exporting to Hugging Face needs transformers: pip install transformers.") from None
-    from harness.io import writable_dir
-    from harness.training.checkpoint import load_model
 
     model, tok, cfg = load_model(run)
     out = writable_dir(out, "export folder")
@@ -90,6 +90,7 @@ def export_hf(run: str | os.PathLike, out: str | os.PathLike) -> Path:
         if unexpected or any("rotary" not in m for m in missing):
             raise RuntimeError(f"PreLN does not map onto Llama: missing {missing}, unexpected {unexpected}")
     else:
+        # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
         from harness.model.hf_remote import DepthmemConfig, DepthmemForCausalLM
 
         DepthmemConfig.register_for_auto_class()

@@ -45,6 +45,7 @@ class DepthmemForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: DepthmemConfig):
         super().__init__(config)
+        # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
         import variants
         from harness.config import ModelConfig
         from harness.model.decoder import Decoder

@@ -23,6 +23,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from harness.io import atomic_write_bytes
+from harness.reporting import frontier as fr
 from harness.reporting.items import Context, NoData, figure, names
 from harness.reporting.results import Run, Sweep, split_variant
 from harness.reporting.stats import compare, mean_ci
@@ -35,6 +36,7 @@ def palette(variants) -> dict[str, str]:
     """One fixed colour per variant: a registered variant at its defaults takes the tab10 colour of its place in
     the registry; every other name (knob settings, unknown variants) a husl colour in sorted name order."""
     try:
+        # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
         import variants as registry
 
         order = registry.names()
@@ -479,7 +481,6 @@ def depth(ctx: Context) -> tuple[Figure, str]:
 def frontier(ctx: Context) -> tuple[Figure, str]:
     """The compute frontier: final loss against training FLOPs on log–log axes, every run as a dot, the mean of
     each size as a marker, and the power law fitted per variant as a line."""
-    from harness.reporting import frontier as fr
 
     result = ctx.cached("frontier", lambda: fr.from_sweep(ctx.sweep, ctx.baseline))
     points = result.points

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from harness.reporting.results import Run, Sweep, split_variant
+from harness.config import ModelConfig
+from harness.reporting.results import Run, Sweep, _flatten, split_variant
 
 BOOTSTRAP = 2000
 MIN_SIZES = 3
@@ -45,7 +46,7 @@ class Frontier:
 
 def forward_flops_per_token(run: Run) -> float | None:
     """PreLN's forward FLOPs per token at the run's size and sequence length plus what its mixer adds."""
-    from harness.config import ModelConfig
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.model.costs import preln_flops_per_token
 
     try:
@@ -71,7 +72,6 @@ def training_flops(run: Run) -> float | None:
 
 
 def _budget_key(run: Run) -> str:
-    from harness.reporting.results import _flatten
 
     flat = {k: v for k, v in _flatten(run.config).items() if k not in _FREE_KEYS and not k.startswith(_FREE_PREFIXES)}
     return json.dumps(flat, sort_keys=True, default=str)

@@ -152,6 +152,7 @@ def _read_csv(path: Path, notes: list[str], root: Path, numeric: tuple[str, ...]
 def _registry_knobs() -> dict[str, dict[str, str]]:
     """Base variant -> its knobs and their default values, from the variant registry."""
     try:
+        # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
         import variants
     except Exception:  # a variant module mid-edit must not stop a report
         return {}

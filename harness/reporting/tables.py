@@ -24,8 +24,10 @@ import numpy as np
 import pandas as pd
 
 from harness.io import atomic_write_text
+from harness.registry import format_value
+from harness.reporting import frontier
 from harness.reporting.items import Context, NoData, table
-from harness.reporting.results import Run, Sweep, knobs_text, split_variant
+from harness.reporting.results import Run, Sweep, knobs_text, split_variant, typed_columns
 
 LDM_BASES = ("ldm", "ldm-rls")
 NO_CI = "no CI: one seed"
@@ -163,7 +165,6 @@ def _with_axes(data: list[dict], display: list[dict], sweep: Sweep) -> tuple[pd.
         head = {n: _axis_text(values.get(n)) for n in names}
         shown_rows.append({**head, **{k: v for k, v in shown.items() if k != "Setting"}})
     frame = pd.DataFrame(data_rows)
-    from harness.reporting.results import typed_columns
 
     return typed_columns(frame, sweep), pd.DataFrame(shown_rows)
 
@@ -173,7 +174,6 @@ def _axis_text(value) -> str:
         return "—"
     if isinstance(value, float):
         return f"{value:g}"
-    from harness.registry import format_value
 
     return format_value(value)
 
@@ -554,7 +554,6 @@ def compute_multiplier_table(ctx: Context) -> Table:
     """The compute multiplier of every variant: the factor of the baseline's training compute that the baseline's
     fitted power law needs to reach the variant's loss, per model size and as the geometric mean over sizes, with
     a 95% bootstrap interval over seeds."""
-    from harness.reporting import frontier
 
     result = ctx.cached("frontier", lambda: frontier.from_sweep(ctx.sweep, ctx.baseline))
     rows = result.multipliers

@@ -15,11 +15,13 @@ from typing import Any
 import torch
 
 from harness.config import RunConfig
+from harness.model.factory import build_model
+from harness.sweeps.jobstate import format_rows
+from harness.training.budget import seq_len_of, train_steps
 
 
 def _model_counts(cfg: RunConfig) -> tuple[int, int]:
     """Parameters and forward depth-mixing FLOPs per token of the run's model, built on the meta device."""
-    from harness.model.factory import build_model
 
     with torch.device("meta"):  # shapes without storage: even the largest preset allocates nothing
         model = build_model(cfg.model, cfg.variant)
@@ -32,8 +34,8 @@ def _model_counts(cfg: RunConfig) -> tuple[int, int]:
 
 def run_cost(cfg: RunConfig, *, peak_tflops: float, utilisation: float, _cache: dict | None = None) -> dict[str, Any]:
     """Parameters, steps, tokens, training FLOPs and estimated GPU-hours of one run."""
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.model.costs import preln_flops_per_token
-    from harness.training.budget import seq_len_of, train_steps
 
     key = (repr(cfg.model), cfg.variant)
     counts = _cache.get(key) if _cache is not None else None
@@ -58,7 +60,6 @@ def sweep_cost(configs: Iterable[RunConfig], *, peak_tflops: float, utilisation:
 
 def describe_costs(runs, profile) -> str:
     """The dry run's cost block: one row per run, then the sweep's total and the hours each run takes."""
-    from harness.sweeps.jobstate import format_rows
 
     costs = sweep_cost([r.cfg for r in runs], peak_tflops=profile.gpu_peak_tflops, utilisation=profile.utilisation)
     rows = [

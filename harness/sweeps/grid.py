@@ -19,6 +19,7 @@ from typing import Any
 from harness.config import ConfigBuilder, RunConfig, read_yaml
 from harness.errors import UsageError, did_you_mean
 from harness.rundir import run_id
+from harness.training import budget
 
 GRID_KEYS = ("name", "description", "profile", "parallelism", "base", "axes", "zip", "include", "exclude", "report")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -157,6 +158,7 @@ def _baseline(report: Any, source: str) -> str:
         return "preln"
     if not isinstance(baseline, str):
         raise UsageError(f"report.baseline in {source} must be a variant name, got {baseline!r}.")
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     import variants
 
     variants.validate(baseline)
@@ -217,7 +219,6 @@ def expand(grid: Grid, *, defaults: dict[str, Any] | None = None) -> list[GridRu
     ``defaults`` is a config layer under the grid's base (a resource profile's ``slurm`` and device settings).
     """
     import variants
-    from harness.training import budget
 
     builder = ConfigBuilder(nest(defaults or {}), nest(grid.base), source=grid.source)
     counted: dict = {}  # the baseline's parameter count per model size, built once

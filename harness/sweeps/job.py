@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from harness.errors import RunFailed
 from harness.io import read_json
 from harness.rundir import now_iso, read_config, read_status, write_status
 
@@ -42,8 +43,6 @@ class RunJob:
     def __call__(self) -> dict[str, Any]:
         import submitit
 
-        from harness.errors import RunFailed
-
         run_dir = Path(self.run_dir)
         try:
             env = submitit.JobEnvironment()
@@ -67,6 +66,7 @@ class RunJob:
 
             # The same thread count in every executor keeps CPU results identical between local and SLURM runs.
             torch.set_num_threads(max(1, cfg.slurm.cpus_per_task))
+            # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
             from harness.training.trainer import train
 
             train(cfg, run_dir, resume=True)

@@ -35,6 +35,7 @@ from harness.sweeps.grid import Grid, GridRun, axis_keys, expand, load_grid
 from harness.sweeps.job import RunJob, pending_tasks
 from harness.sweeps.jobstate import default_root, format_rows, run_rows, stop_local, sweep_status
 from harness.sweeps.profiles import EXECUTORS, Profile, load_profile
+from harness.training.budget import tokens_per_step, train_steps
 
 LOCAL_RUNS_WITHOUT_ASKING = 4
 """Most runs of a cluster grid (a profile with ``executor: slurm``) that run on this machine without ``--yes``."""
@@ -580,7 +581,6 @@ def _wait(p: Plan, jobs: dict[str, Any], poll_s: float) -> None:
 
 def describe_plan(p: Plan) -> str:
     """The dry-run text: every run with its grid values and decision, then the resources each job asks for."""
-    from harness.training.budget import tokens_per_step, train_steps
 
     rows = [
         {
@@ -614,6 +614,7 @@ def describe_plan(p: Plan) -> str:
     lines.append(res)
     if pr.setup:
         lines.append("setup: " + "; ".join(pr.setup))
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.sweeps.estimate import describe_costs
 
     lines.append(describe_costs(p.runs, pr))

@@ -33,6 +33,7 @@ def baseline_params(model: ModelConfig, baseline: str = DEFAULT_BASELINE) -> int
     """Parameters of the decoder of this size with the depth mixer ``baseline`` (a variant name)."""
     import torch
 
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     import variants
     from harness.model.costs import preln_params
     from harness.model.factory import build_model

@@ -14,8 +14,12 @@ from pathlib import Path
 
 import torch
 
+from harness import rundir
 from harness.config import RunConfig, build_config
+from harness.data import tokenizer as toklib
+from harness.data.corpus import get_tokenizer
 from harness.errors import UsageError
+from harness.model.factory import build_model
 
 
 def _locate(path: Path) -> tuple[Path, Path | None]:
@@ -52,9 +56,6 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
 
 def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu"):
     """``(decoder, tokenizer, config)`` of a run directory or checkpoint: float32, eval mode, on ``device``."""
-    from harness import rundir
-    from harness.data import tokenizer as toklib
-    from harness.model.factory import build_model
 
     ckpt_path, run_dir = _locate(Path(path))
     ckpt = read_checkpoint(ckpt_path)
@@ -84,8 +85,6 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu"):
     if tok is None and "tokenizer" in extra:
         tok = toklib.from_spec(extra["tokenizer"])
     if tok is None:
-        from harness.data.corpus import get_tokenizer
-
         tok = get_tokenizer(cfg)
     model = model.float().to(device).eval()
     return model, tok, cfg

@@ -37,6 +37,7 @@ from harness import rundir
 from harness.benchmarks.memory import AllocatorPeak, CoreLoad, live_training_bytes
 from harness.config import RunConfig
 from harness.data import corpus as datalib
+from harness.data import tokenizer as toklib
 from harness.errors import RunFailed, UsageError
 from harness.io import (
     DiskFull,
@@ -49,8 +50,12 @@ from harness.io import (
     read_json,
     remove_stale_temps,
 )
+from harness.model import diagnostics
+from harness.model.diagnostics import layer_grad_norms, layer_stats, traced_forward
+from harness.model.factory import build_model
 from harness.training import budget
 from harness.training.budget import seq_len_of
+from harness.training.checkpoint import read_checkpoint
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
@@ -351,8 +356,6 @@ class LitDecoder(pl.LightningModule):
         self.step_lr = optimizer.param_groups[0]["lr"]
         step = self.global_step + 1
         if step % self.cfg.train.val_every_steps == 0 or step == self.total:
-            from harness.model.diagnostics import layer_grad_norms
-
             self.step_layer_grads = layer_grad_norms(self.model)
         if is_diverged(loss, grad_norm, self.cfg.train.max_grad_norm_diverge):
             self.diverged = {"step": step, "loss": loss, "grad_norm": grad_norm}
@@ -453,8 +456,6 @@ class RunFiles(pl.Callback):
         val_loss, val_bpb = module.evaluate()
         row.update(val_loss=val_loss, val_bpb=val_bpb)
         if trainer.is_global_zero:
-            from harness.model.diagnostics import layer_stats, traced_forward
-
             _, trace = traced_forward(module.model, module.val_windows[:4, :-1].to(module.device))
             grads = module.step_layer_grads if step else None
             self.layers_log.add(
@@ -714,6 +715,7 @@ def _loggers(cfg: RunConfig, run_dir: Path) -> list:
     elif t.logger == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
+        # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
         import variants
 
         # Project from the grid (train.wandb_project) or the sweep's name; one group per sweep, one job type per
@@ -787,7 +789,6 @@ def _model_words(cfg: RunConfig) -> str:
 
 def _check_resumable(ckpt_path: Path, cfg: RunConfig, model: nn.Module) -> int:
     """The step a checkpoint resumes from, once it is known to load and to hold this run's model."""
-    from harness.training.checkpoint import read_checkpoint
 
     try:
         ckpt = read_checkpoint(ckpt_path)
@@ -827,8 +828,6 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     from lightning.pytorch import seed_everything
 
     import variants
-    from harness.data import tokenizer as toklib
-    from harness.model.factory import build_model
 
     run_dir = Path(run_dir)
     rank0 = rank_zero_only.rank == 0
@@ -959,8 +958,6 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         raise RunFailed(f"The run {message}.")
     if not rank0:
         return run_dir
-
-    from harness.model import diagnostics
 
     wall = module.elapsed_before + (time.time() - start)
     measured = [r for r in files.metrics if r.get("val_loss") not in (None, "")]

