@@ -34,7 +34,7 @@ test: setup
 # The reference study of docs/report.md: three small grids into one folder, then one report drawing every figure.
 reference: setup
 	for grid in reference reference-depth reference-scaling; do \
-	  $(BIN)/depthmem sweep experiments/$$grid.yaml --results results/reference-runs || exit 1; \
+	  $(BIN)/depthmem sweep experiments/$$grid.yaml --results results/reference/study-runs || exit 1; \
 	done
 	$(BIN)/depthmem report experiments/reference.yaml --out results/reference/study
 
