@@ -547,11 +547,21 @@ class TestSilentAcceptance:
             ("number.jsonl", b'{"text": 3}\n', "int"),
             ("latin.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1"), "not UTF-8 text"),
             ("empty.jsonl", b"\n\n", "no JSON records"),
+            ("nulls.parquet", ["fine", None], "Row 2"),
         ],
     )
     def test_prepare_refuses(self, capsys, tmp_path, trained_run, name, data, expected):
         if data is None:
             data = bytes(random.Random(7).randrange(256) for _ in range(4096)) + b"\0"
+        if name.endswith(".parquet"):
+            import io
+
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            buffer = io.BytesIO()
+            pq.write_table(pa.table({"text": data}), buffer)
+            data = buffer.getvalue()
         good = write(tmp_path / "good.txt", "A fine document. " * 20)
         bad = write(tmp_path / name, data)
         line = fails(

@@ -340,8 +340,11 @@ def _documents(path: str, text_field: str, split: str, config: str | None = None
                     f"{p} has no column {text_field!r}; choose it with --text-field "
                     f"(columns: {', '.join(pf.schema_arrow.names)})."
                 )
+            row = 0
             for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-                yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
+                for value in batch.column(0).to_pylist():
+                    row += 1
+                    yield _text_of(value, f"Row {row} of {p}", text_field)
         else:
             text = _decode(p.read_bytes(), f"The input {path!r}")
             if not text.strip():
