@@ -358,10 +358,9 @@ def test_dry_run_lists_runs_and_resources_and_writes_nothing(tmp_path, capsys):
 def test_a_cluster_profile_submits_to_slurm_by_default_and_a_big_local_run_asks(tmp_path, monkeypatch):
     from harness.sweeps.submit import sweep
 
-    assert (
-        load_profile("gpu-cluster").executor == "slurm"
-        and load_grid(ROOT / "experiments" / "paper.yaml").profile == "gpu-cluster"
-    )
+    paper_profile = load_grid(ROOT / "experiments" / "paper.yaml").profile
+    assert paper_profile == "gpu-40gb" and load_profile(paper_profile).executor == "slurm"
+    assert all(load_profile(name).executor == "slurm" for name in ("gpu-cluster", "gpu-40gb", "gpu-80gb"))
     on_cluster = write(tmp_path, "name: c\nprofile: gpu-cluster\nbase: {model: {preset: tiny}}\n", "c.yaml")
     assert plan(on_cluster, root=tmp_path).executor == "slurm"
     assert plan(on_cluster, root=tmp_path, executor="local").executor == "local"

@@ -211,6 +211,10 @@ def test_bad_model_arguments_are_usage_errors(model, tokenizer):
     with pytest.raises(UsageError, match="batch_size"):
         DepthmemLM(model=model, tokenizer=tokenizer, batch_size=0)
     with pytest.raises(UsageError, match="allowed: checkpoint"):
+        DepthmemLM(model=model, tokenizer=tokenizer, revision="main")
+    # ``pretrained`` is another name for ``checkpoint`` (so lm-eval names its output folder after the run):
+    # a Hugging Face hub name there is not a run.
+    with pytest.raises(UsageError, match="neither a run directory nor a checkpoint"):
         DepthmemLM(model=model, tokenizer=tokenizer, pretrained="gpt2")
     with pytest.raises(UsageError, match="checkpoint=PATH"):
         DepthmemLM.create_from_arg_string("batch_size=4")
