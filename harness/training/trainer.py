@@ -684,7 +684,7 @@ def _trainer(cfg: RunConfig, callbacks: list, run_dir: Path, total: int, plain_l
         )
     except ModuleNotFoundError as e:
         raise UsageError(
-            f"train.logger={t.logger} needs a package that is not installed: pip install {e.name}."
+            f"train.logger={t.logger} needs a package that is not installed: pip install {e.name or t.logger}."
         ) from None
 
 
