@@ -18,29 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_checks import TRAIN_ARGS, fails
 
 from harness.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
-# The smallest real run: two steps of the tiny preset, checkpointed, so every loader has something to load.
-TRAIN_ARGS = [
-    "--preset",
-    "tiny",
-    "--max-steps",
-    "2",
-    "--set",
-    "train.batch_size=4",
-    "--set",
-    "train.seq_len=32",
-    "--set",
-    "train.val_batches=1",
-    "--set",
-    "train.val_every_steps=2",
-    "--set",
-    "train.ckpt_every_steps=2",
-    "--set",
-    "train.log_every_steps=1",
-]
 
 
 @pytest.fixture(autouse=True)
@@ -66,20 +48,6 @@ def trained_run(tmp_path_factory):
         mp.setenv("DEPTHMEM_CACHE", str(tmp_path_factory.getbasetemp().parent / "depthmem-cache"))
         assert cli_main(["train", *TRAIN_ARGS, "--out", str(run)]) == 0
     return run
-
-
-def fails(capsys, argv: list[str], code: int = 2) -> str:
-    """Run the CLI, expect exit ``code`` and exactly one ``depthmem:`` sentence on stderr; return it."""
-    rc = cli_main(argv)
-    err = capsys.readouterr().err
-    assert rc == code, f"exit {rc} for {argv}: {err[-2000:]}"
-    assert "Traceback" not in err
-    # Progress bars of the libraries may share stderr; the error itself is one line of its own.
-    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("depthmem:")]
-    assert len(lines) == 1, err[-2000:]
-    line = lines[0]
-    assert line.endswith((".", "?")) and len(line) < 600, line
-    return line
 
 
 def run_subprocess(argv: list[str], **env) -> subprocess.CompletedProcess:

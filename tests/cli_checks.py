@@ -1,0 +1,39 @@
+"""What the command-line tests share: the smallest real training run, and checks of how a command ends."""
+
+from __future__ import annotations
+
+from harness.cli import main as cli_main
+
+# The smallest real run: two steps of the tiny preset, checkpointed, so every loader has something to load.
+TRAIN_ARGS = [
+    "--preset",
+    "tiny",
+    "--max-steps",
+    "2",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "train.seq_len=32",
+    "--set",
+    "train.val_batches=1",
+    "--set",
+    "train.val_every_steps=2",
+    "--set",
+    "train.ckpt_every_steps=2",
+    "--set",
+    "train.log_every_steps=1",
+]
+
+
+def fails(capsys, argv: list[str], code: int = 2, max_len: int = 600) -> str:
+    """Run the CLI, expect exit ``code`` and exactly one ``depthmem:`` sentence on stderr; return it."""
+    rc = cli_main(argv)
+    err = capsys.readouterr().err
+    assert rc == code, f"exit {rc} for {argv}: {err[-2000:]}"
+    assert "Traceback" not in err
+    # Progress bars of the libraries may share stderr; the error itself is one line of its own.
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("depthmem:")]
+    assert len(lines) == 1, err[-2000:]
+    line = lines[0]
+    assert line.endswith((".", "?")) and len(line) < max_len, line
+    return line
