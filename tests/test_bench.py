@@ -6,7 +6,11 @@ counts (known allocations, torch's FlopCounterMode, exponents of synthetic power
 
 from __future__ import annotations
 
+import itertools
 import math
+import subprocess
+import sys
+import time
 
 import pandas as pd
 import pytest
@@ -15,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import variants
 from harness.benchmarks import benchmark as B
+from harness.benchmarks import quiet
 from harness.cli import main
 from harness.errors import UsageError
 from harness.model.factory import build_model
@@ -259,16 +264,42 @@ def test_reference_ratios_are_reported_for_every_variant(rng_seed):
 
 
 def test_busy_machine_is_marked_and_refused_for_reference_numbers(monkeypatch, tmp_path):
-    cores = B.os.cpu_count()
-    assert not B.busy([0.1], [cores], threads=1)
-    assert B.busy([cores + 2.0], [0.0], threads=1) and B.busy([0.0], [cores + 2.0], threads=1)
-    monkeypatch.setattr(B.os, "getloadavg", lambda: (cores + 5.0, cores + 5.0, cores + 5.0))
+    monkeypatch.setattr(quiet, "others_now", lambda seconds=1.0: 3.0)
     with pytest.raises(B.RunFailed, match="busy"):
         _tiny(variants=["preln"], require_quiet=True, out_dir=tmp_path / "b")
     assert not (tmp_path / "b").exists()
     df = _tiny(variants=["preln"], out_dir=tmp_path / "c")
-    assert df.attrs["meta"]["busy"] is True
+    assert df.attrs["meta"]["busy"] is True and df.attrs["meta"]["others_before"] == 3.0
     assert '"busy": true' in (tmp_path / "c" / "bench_meta.json").read_text()
+    # Quiet before, then 1000 CPU seconds of other processes' work during the run: refused, nothing written.
+    monkeypatch.setattr(quiet, "others_now", lambda seconds=1.0: 0.0)
+    calls = itertools.count()
+    monkeypatch.setattr(quiet, "machine_busy_seconds", lambda: 1000.0 * next(calls))
+    monkeypatch.setattr(quiet, "own_seconds", lambda: 0.0)
+    with pytest.raises(B.RunFailed, match="became busy"):
+        _tiny(variants=["preln"], require_quiet=True, out_dir=tmp_path / "d")
+    assert not (tmp_path / "d" / "bench.csv").exists()
+
+
+def test_other_processes_cpu_time_is_measured_apart_from_our_own():
+    """A spinning child process shows as another core's worth of work; this process's own spinning does not."""
+    if quiet.machine_busy_seconds() is None:
+        pytest.skip("this machine has no /proc/stat to read CPU time from")
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"])
+    try:
+        time.sleep(0.3)  # past the interpreter's start-up
+        assert quiet.others_now(1.5) >= 0.6
+    finally:
+        spinner.wait()
+    # Spin here instead, on the main thread: its time is ours, so everything else stays what it was. Another test
+    # process may keep up to one core busy beside this one.
+    cores = B.os.cpu_count()
+    with quiet.OtherLoad() as load:
+        t = time.time()
+        while time.time() - t < 1.5:
+            pass
+    assert load.others is not None and load.others < max(cores, 2) - 0.5
+    assert quiet.is_busy(0.1, None, quiet.OTHERS_LIMIT + 0.01) and not quiet.is_busy(0.1, None)
 
 
 @pytest.mark.parametrize(
@@ -308,6 +339,7 @@ def test_variant_list_keeps_knob_commas_together():
         (["--val-every", "0"], "--val-every"),
         (["--seq", "128,256"], "one sequence length"),
         (["--variants", "no-such-mixer"], "Known"),
+        (["--repeats", "0"], "--repeats must be an integer of at least 1"),
     ],
 )
 def test_loop_bench_bad_settings_exit_2_before_training(argv, words, capsys, tmp_path):
@@ -315,3 +347,39 @@ def test_loop_bench_bad_settings_exit_2_before_training(argv, words, capsys, tmp
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
     assert not (tmp_path / "loop").exists()
+
+
+@pytest.mark.slow
+def test_loop_bench_alternates_bare_and_harness_runs(monkeypatch, tmp_path):
+    """Two harness runs between three bare runs; the cost is the median of each against its two neighbours."""
+    from harness.benchmarks import loop as LB
+
+    bare_times, harness_times = iter([1.0, 3.0, 1.0]), iter([2.2, 2.0])
+    real_bare, real_harness = LB.bare_loop, LB.harness_loop
+    calls = []
+
+    def bare(cfg, steps):
+        calls.append("bare")
+        real_bare(cfg, steps)  # the real loop runs; its time is replaced so the arithmetic can be checked
+        return next(bare_times)
+
+    def harness(cfg, run_dir):
+        calls.append("harness")
+        seconds, wall = real_harness(cfg, run_dir)
+        assert seconds > 0 and wall >= seconds
+        return next(harness_times), wall
+
+    monkeypatch.setattr(LB, "bare_loop", bare)
+    monkeypatch.setattr(LB, "harness_loop", harness)
+    df = LB.loop_bench(
+        ["preln"], preset="tiny", steps=4, log_every=1, val_every=2, val_batches=1, ckpt_every=2, batch_size=2,
+        seq_len=16, rounds=2, out_dir=tmp_path,
+    )  # fmt: skip
+    assert calls == ["bare", "harness", "bare", "harness", "bare"]
+    row = df.iloc[0]
+    # Round costs 2.2 / 2 - 1 = 0.1 and 2.0 / 2 - 1 = 0; their median is 0.05.
+    assert row["harness_cost"] == pytest.approx(0.05) and row["rounds"] == 2
+    assert row["bare_spread"] == pytest.approx(2.0 / (5.0 / 3))
+    assert isinstance(row["others_during"], float) or row["others_during"] is None
+    written = pd.read_csv(tmp_path / "loop_bench.csv")
+    assert list(written.columns) == LB.COLUMNS and len(written) == 1

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.benchmarks import quiet
 from harness.benchmarks.memory import AllocatorPeak
 from harness.config import PRESETS, ModelConfig, model_preset
 from harness.errors import RunFailed, UsageError
@@ -62,10 +63,6 @@ PRELN_TARGET = (1.02, 1.02)
 # is the plain pre-norm trunk (``PlainPreLN``).
 REFERENCE = ":reference"
 REFERENCE_IMPLS = {"ldm": "recurrent", "ldm-rls": "recurrent"}
-
-# A machine is busy when its 1-minute load average leaves fewer idle cores than the run's threads (before) or exceeds
-# the cores (after, when the run's own threads are part of it), by more than this margin.
-BUSY_MARGIN = 1.0
 
 # Columns of the CSV, in order.
 COLUMNS = [
@@ -239,15 +236,6 @@ def reference_model(name: str, model):
     ref = copy.deepcopy(model)
     ref.mixer.impl = impl
     return ref, impl
-
-
-def busy(load_before: Sequence[float], load_after: Sequence[float], threads: int) -> bool:
-    """Whether other work competed for the cores during a run, from the 1-minute load averages around it."""
-    cores = os.cpu_count() or 1
-    return bool(
-        (load_before and load_before[0] > max(0, cores - threads) + BUSY_MARGIN)
-        or (load_after and load_after[0] > cores + BUSY_MARGIN)
-    )
 
 
 # -- measurement ----------------------------------------------------------------------------------------------
@@ -566,9 +554,9 @@ def bench(
     Returns one row per variant and shape (columns ``COLUMNS``); with ``out_dir`` also writes ``bench.csv``,
     ``bench_scaling.csv``, ``bench_meta.json`` and ``overhead_vs_<axis>.png`` there (``plot_axis``). With
     ``references`` every variant is also timed against the straightforward implementation of its own math
-    (``reference_model``). The run is marked ``busy`` in its metadata when the load average says other work
-    competed for the cores; with ``require_quiet`` a busy machine is refused before measuring, and a run that
-    turned out busy writes nothing.
+    (``reference_model``). The run is marked ``busy`` in its metadata when other processes kept more than
+    ``quiet.OTHERS_LIMIT`` cores busy before or during it (``harness.benchmarks.quiet``); with ``require_quiet``
+    a busy machine is refused before measuring, and a run that turned out busy writes nothing.
     """
     import pandas as pd
 
@@ -613,38 +601,40 @@ def bench(
     threads = threads or old_threads
     torch.set_num_threads(threads)
     load_before = _loadavg()
-    if require_quiet and busy(load_before, [], threads):
+    others_before = quiet.others_now()
+    if require_quiet and quiet.is_busy(others_before):
         torch.set_num_threads(old_threads)
         if made_out_dir and not any(Path(out_dir).iterdir()):
             Path(out_dir).rmdir()  # a refused run leaves nothing behind, not even its empty folder
         raise RunFailed(
-            f"The machine is busy (load average {load_before} on {os.cpu_count()} CPUs, {threads} "
-            "threads asked for): reference numbers need a quiet machine; try again later."
+            f"The machine is busy (other processes keep {others_before:.2f} of its {os.cpu_count()} CPUs busy, "
+            f"more than {quiet.OTHERS_LIMIT}): reference numbers need a quiet machine; try again later."
         )
     rows = []
     try:
-        for shape in grid:
-            if log:
-                log(
-                    f"measuring {len(names)} variants at depth {shape.depth}, width {shape.width}, "
-                    f"seq {shape.seq_len} on {device} with {threads} threads"
+        with quiet.OtherLoad() as during:
+            for shape in grid:
+                if log:
+                    log(
+                        f"measuring {len(names)} variants at depth {shape.depth}, width {shape.width}, "
+                        f"seq {shape.seq_len} on {device} with {threads} threads"
+                    )
+                rows += _measure_shape(
+                    names,
+                    shape,
+                    preset=preset,
+                    vocab=vocab,
+                    batch_size=batch_size,
+                    device=dev,
+                    dtype=dtype,
+                    repeats=repeats,
+                    warmup=warmup,
+                    steps_per_repeat=steps_per_repeat,
+                    seed=seed,
+                    threads=threads,
+                    references=references,
+                    log=log,
                 )
-            rows += _measure_shape(
-                names,
-                shape,
-                preset=preset,
-                vocab=vocab,
-                batch_size=batch_size,
-                device=dev,
-                dtype=dtype,
-                repeats=repeats,
-                warmup=warmup,
-                steps_per_repeat=steps_per_repeat,
-                seed=seed,
-                threads=threads,
-                references=references,
-                log=log,
-            )
     finally:
         torch.set_num_threads(old_threads)
     df = pd.DataFrame(rows, columns=COLUMNS)
@@ -663,8 +653,11 @@ def bench(
         "cpu_count": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
         "loadavg_before": load_before,
-        "loadavg_after": (load_after := _loadavg()),
-        "busy": busy(load_before, load_after, threads),
+        "loadavg_after": _loadavg(),
+        # Cores other processes kept busy, in the second before and on average during the run (quiet.py).
+        "others_before": others_before,
+        "others_during": during.others,
+        "busy": quiet.is_busy(others_before, during.others),
         "references": references,
         "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else "",
         "memory_method": (
@@ -676,8 +669,9 @@ def bench(
     if out_dir is not None:
         if require_quiet and df.attrs["meta"]["busy"]:
             raise RunFailed(
-                f"The machine became busy during the run (load average {load_before} -> {load_after} on "
-                f"{os.cpu_count()} CPUs): nothing was written to {str(out_dir)!r}; run it again later."
+                f"The machine became busy during the run (other processes kept {during.others:.2f} of its "
+                f"{os.cpu_count()} CPUs busy on average, more than {quiet.OTHERS_LIMIT}): nothing was written to "
+                f"{str(out_dir)!r}; run it again later."
             )
         write_outputs(df, out_dir)
     return df

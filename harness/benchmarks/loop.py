@@ -10,14 +10,18 @@ warm-up, and the harness's validation at step 0 before it): the harness from the
 Every event the harness fires at a step below ``steps`` (validation, per-layer diagnostics, checkpoint) falls in the
 timed span, so with ``steps = k·val_every + 1`` it is counted at its real frequency.
 
-The loops run in the order bare, harness, bare in one process and the ratio is taken against the mean of the two
-bare runs, so a drift of the machine's load hits both sides. The load average before and after is recorded; a
-run that started on a busy machine is marked ``busy``.
+The loops run in the order bare, harness, bare (``rounds`` times: bare, harness, bare, harness, bare, ...) in
+one process and each harness run is taken against the mean of the two bare runs around it, so a drift of the
+machine hits both sides; ``bare_spread`` says how far the bare runs differ among themselves, the resolution of
+``harness_cost``. The CPU time other processes used, in the second
+before and during the three loops, is recorded (``harness.benchmarks.quiet``); a row where it passed
+``quiet.OTHERS_LIMIT`` cores is marked ``busy``.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.benchmarks import quiet
 from harness.config import build_config
 from harness.data import corpus as datalib
 from harness.errors import UsageError
@@ -47,15 +52,16 @@ COLUMNS = [
     "bare_tokens_per_s_after",
     "harness_tokens_per_s",
     "harness_cost",
+    "rounds",
+    "bare_spread",
     "harness_wall_s",
     "threads",
     "loadavg_before",
     "loadavg_after",
+    "others_before",
+    "others_during",
     "busy",
 ]
-
-# The load average (1 min) above which a machine is called busy: more runnable tasks than this run's threads.
-BUSY_MARGIN = 0.5
 
 
 def _loadavg() -> list[float]:
@@ -65,9 +71,8 @@ def _loadavg() -> list[float]:
         return []
 
 
-def is_busy(load: Sequence[float], threads: int) -> bool:
-    """Whether the 1-minute load average leaves less than the threads this run uses (beyond a small margin)."""
-    return bool(load) and load[0] > max(0, (os.cpu_count() or 1) - threads) + BUSY_MARGIN
+def _folder(name: str) -> str:
+    return name.replace("(", "_").replace(")", "_")
 
 
 def run_config(
@@ -177,16 +182,21 @@ def loop_bench(
     seq_len: int = 256,
     seed: int = 0,
     threads: int | None = None,
+    rounds: int = 1,
     out_dir: str | os.PathLike | None = None,
     log: Callable[[str], None] | None = None,
 ):
-    """Harness against bare-loop tokens/s for each variant; one row per variant (columns ``COLUMNS``)."""
+    """Harness against bare-loop tokens/s for each variant; one row per variant (columns ``COLUMNS``).
+
+    ``rounds`` harness runs alternate with ``rounds + 1`` bare runs (bare, harness, bare, ...); ``harness_cost`` is
+    the median over rounds of each harness run's time over the mean of its two neighbours, minus 1."""
     import pandas as pd
 
     import variants as registry
 
     for label, value, least in (
         ("--steps", steps, 3),
+        ("--repeats", rounds, 1),
         ("--log-every", log_every, 1),
         ("--val-every", val_every, 1),
         ("--val-batches", val_batches, 0),
@@ -227,19 +237,25 @@ def loop_bench(
     try:
         with tempfile.TemporaryDirectory(prefix="depthmem-loop-") as tmp:
             for name, cfg in cfgs.items():
-                load_before = _loadavg()
+                load_before, others_before = _loadavg(), quiet.others_now()
                 if log:
-                    log(f"{name}: bare loop, {steps} steps (load average {load_before})")
-                bare = bare_loop(cfg, steps)
-                if log:
-                    log(f"{name}: depthmem train, {steps} steps")
-                harness, wall = harness_loop(cfg, Path(tmp) / name.replace("(", "_").replace(")", "_"))
-                if log:
-                    log(f"{name}: bare loop again")
-                bare_after = bare_loop(cfg, steps)
+                    log(f"{name}: bare loop, {steps} steps (other processes: {others_before} cores busy)")
+                with quiet.OtherLoad() as during:
+                    bares, harnesses, wall = [bare_loop(cfg, steps)], [], 0.0
+                    for r in range(rounds):
+                        if log:
+                            log(f"{name}: depthmem train, {steps} steps (round {r + 1}/{rounds})")
+                        seconds, wall = harness_loop(cfg, Path(tmp) / f"{_folder(name)}-{r}")
+                        harnesses.append(seconds)
+                        if log:
+                            log(f"{name}: bare loop again")
+                        bares.append(bare_loop(cfg, steps))
                 load_after = _loadavg()
+                # Each harness run against the mean of the two bare runs around it; the median over rounds.
+                costs = [h / ((bares[r] + bares[r + 1]) / 2) - 1 for r, h in enumerate(harnesses)]
+                bare, bare_after = statistics.median(bares[:-1]), statistics.median(bares[1:])
                 bare_rate, bare_after_rate = tokens / bare, tokens / bare_after
-                harness_rate = tokens / harness
+                harness_rate = tokens / statistics.median(harnesses)
                 rows.append(
                     {
                         "variant": cfg.variant,
@@ -256,12 +272,17 @@ def loop_bench(
                         "bare_tokens_per_s_after": bare_after_rate,
                         "harness_tokens_per_s": harness_rate,
                         # The harness's time over the mean time of the two bare runs around it, minus 1.
-                        "harness_cost": harness / ((bare + bare_after) / 2) - 1,
+                        "harness_cost": statistics.median(costs),
+                        "rounds": rounds,
+                        # How far the bare runs themselves spread, over their mean: the resolution of the cost.
+                        "bare_spread": (max(bares) - min(bares)) / statistics.mean(bares),
                         "harness_wall_s": wall,
                         "threads": threads,
                         "loadavg_before": load_before,
                         "loadavg_after": load_after,
-                        "busy": is_busy(load_before, threads) or is_busy(load_after, threads),
+                        "others_before": others_before,
+                        "others_during": during.others,
+                        "busy": quiet.is_busy(others_before, during.others),
                     }
                 )
     finally:
@@ -281,13 +302,14 @@ def format_table(df) -> str:
             "bare_tokens_per_s_after",
             "harness_tokens_per_s",
             "harness_cost",
+            "bare_spread",
             "harness_wall_s",
-            "loadavg_before",
-            "loadavg_after",
+            "others_before",
+            "others_during",
             "busy",
         ]
     ]
     return view.to_string(index=False, float_format=lambda x: f"{x:.3f}" if abs(x) < 10 else f"{x:.0f}")
 
 
-__all__ = ["loop_bench", "bare_loop", "harness_loop", "format_table", "is_busy", "COLUMNS"]
+__all__ = ["loop_bench", "bare_loop", "harness_loop", "format_table", "COLUMNS"]

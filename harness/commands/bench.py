@@ -67,7 +67,13 @@ def add_parser(sub):
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default="float32", help="float32 or bf16 (autocast; state stays float32)")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds over all variants (default: 5)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed rounds over all variants (default: 5; with --loop: harness runs, each between two "
+        "bare runs, default 1)",
+    )
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per model first (default: 2)")
     p.add_argument("--steps-per-repeat", type=int, default=1, help="steps averaged in one timing (default: 1)")
     p.add_argument(
@@ -162,6 +168,7 @@ def run_loop(args) -> int:
         seq_len=seqs[0],
         seed=args.seed,
         threads=args.threads,
+        rounds=1 if args.repeats is None else args.repeats,
         out_dir=args.out,
     )
     if args.dry_run:
@@ -178,6 +185,10 @@ def run_loop(args) -> int:
         print("\nthe machine was busy during a row marked busy: its numbers are not reference numbers")
     print(f"\nwrote {args.out}/loop_bench.csv")
     return 0
+
+
+def _cores(others: float | None) -> str:
+    return "an unknown number of cores" if others is None else f"{others:.2f} cores"
 
 
 def run(args) -> int:
@@ -224,12 +235,14 @@ def run(args) -> int:
         f"device {meta['device']} {meta['gpu']}".rstrip() + f", dtype {meta['dtype']}, threads {meta['threads']}, "
         f"batch {meta['batch_size']}, vocab {meta['vocab_size']}, repeats {meta['repeats']} "
         f"(median; ratio against the mean of the two preln steps around each), warm-up {meta['warmup']}; "
-        f"load average {meta['loadavg_before']} -> {meta['loadavg_after']} on {meta['cpu_count']} CPUs"
+        f"load average {meta['loadavg_before']} -> {meta['loadavg_after']} on {meta['cpu_count']} CPUs; "
+        f"other processes kept {_cores(meta['others_before'])} busy before and {_cores(meta['others_during'])} "
+        "during the run"
     )
     if meta["busy"]:
         print(
-            "BUSY: other work competed for the cores during this run (load average above); its ratios are "
-            "guidance, not reference numbers"
+            "BUSY: other work competed for the cores during this run (above); its ratios are guidance, not "
+            "reference numbers"
         )
     print(
         f"memory: {meta['memory_method']}; floor_time_ratio = 1 + extra FLOPs / model FLOPs per token; "
