@@ -224,14 +224,17 @@ class AttnRes(DepthMixer):
     impl: Literal["fused", "reference"] = "fused"
 
     def init_state(self, e):
-        if self.impl == "reference":
+        # The fused path hands buffers between its autograd nodes outside the graph, which torch.compile cannot
+        # trace; a compiled model runs the reference form of the same math (tests/test_compile.py). Reads and
+        # writes follow the state's form, so they agree with the choice made here.
+        if self.impl == "reference" or torch.compiler.is_compiling():
             # Values and their normalized keys; each key is computed once, when its output is written.
             return [e], [rms_normalize(e)]
         buf = DepthBuffers(e, self.queries)
         return buf, [FusedWrite.apply(e, self.queries, buf, 0)]
 
     def _read(self, state, reader: int):
-        if self.impl == "reference":
+        if not isinstance(state[0], DepthBuffers):
             values, keys = state
             a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, values)
             self.record("weights", reader, weights)
@@ -250,7 +253,7 @@ class AttnRes(DepthMixer):
         return self._read(state, layer)
 
     def write(self, state, layer, out):
-        if self.impl == "reference":
+        if not isinstance(state[0], DepthBuffers):
             values, keys = state
             return values + [out], keys + [rms_normalize(out)]
         buf, sources = state
