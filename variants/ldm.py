@@ -209,74 +209,22 @@ def shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tenso
     """``[mlp(x) for mlp in mlps]``, for MLPs that all read ``x``: one RMS normalization and one first-layer
     product for all of them, each norm's gain folded into its first layer's weights.
 
-    Under autograd the normalized input, the hidden layer and its activation (three (b, t, d)-sized tensors per
-    layer, the largest share of the mixer's saved memory) are not kept: ``SharedInputMLPs`` saves ``x`` (held by
-    the residual stream anyway) and its RMS scale, and its backward recomputes the first layer only. Under
-    autocast, whose casts a hand-written backward would have to repeat, the same saving comes from recomputing
-    the whole pass (``torch.utils.checkpoint``)."""
-    if not torch.is_grad_enabled() or not (
-        x.requires_grad or any(p.requires_grad for m in mlps for p in m.parameters())
-    ):
-        return _shared_input_mlps(x, mlps)
-    if torch.is_autocast_enabled(x.device.type):
+    Under autograd the pass is recomputed in backward instead of keeping its normalized input and hidden layer
+    (three (b, t, d)-sized tensors per layer, the largest share of the mixer's saved memory); ``x`` is held by
+    the residual stream anyway. Recomputation repeats the same operations on the same inputs, so gradients are
+    unchanged."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for m in mlps for p in m.parameters())):
         return list(checkpoint(_shared_input_mlps, x, mlps, use_reentrant=False))
-    dt = x.dtype
-    w1, b1 = _first_layer(mlps, dt)
-    second = [t for m in mlps for t in (m.fc2.weight.to(dt), m.fc2.bias.to(dt))]
-    return list(SharedInputMLPs.apply(x, w1, b1, tuple(m.fc1.out_features for m in mlps), *second))
-
-
-def _first_layer(mlps: list[SmallMLP], dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MLPs' first layers stacked, each norm's gain folded into its weights."""
-    w1 = torch.cat([m.fc1.weight.to(dt) * m.norm.weight.to(dt) for m in mlps])
-    return w1, torch.cat([m.fc1.bias.to(dt) for m in mlps])
+    return _shared_input_mlps(x, mlps)
 
 
 def _shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tensor]:
     dt = x.dtype
-    w1, b1 = _first_layer(mlps, dt)
-    hidden = F.silu(F.linear(x * rms_scale(x, NORM_EPS), w1, b1)).split([m.fc1.out_features for m in mlps], dim=-1)
+    xn = x * rms_scale(x, NORM_EPS)
+    w1 = torch.cat([m.fc1.weight.to(dt) * m.norm.weight.to(dt) for m in mlps])
+    b1 = torch.cat([m.fc1.bias.to(dt) for m in mlps])
+    hidden = F.silu(F.linear(xn, w1, b1)).split([m.fc1.out_features for m in mlps], dim=-1)
     return [F.linear(h, m.fc2.weight.to(dt), m.fc2.bias.to(dt)) for h, m in zip(hidden, mlps)]
-
-
-class SharedInputMLPs(torch.autograd.Function):
-    """``apply(x, w1, b1, sizes, w2_0, b2_0, w2_1, b2_1, ...)``: ``silu(RMSNorm(x) w1ᵀ + b1)``, split by ``sizes``,
-    each part through its second layer. Keeps ``x`` and its RMS scale ``r`` (b, t, 1); backward recomputes the
-    first layer, the one product whose input (``x``) it has, instead of the whole pass as a checkpoint would."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, sizes, *second):
-        r = rms_scale(x, NORM_EPS)
-        hidden = F.silu(F.linear(x * r, w1, b1)).split(sizes, dim=-1)
-        ctx.sizes = sizes
-        ctx.save_for_backward(x, r, w1, b1, *second)
-        return tuple(F.linear(h, w2, b2) for h, w2, b2 in zip(hidden, second[::2], second[1::2]))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *douts):
-        x, r, w1, b1, *second = ctx.saved_tensors
-        xn = x * r
-        pre = F.linear(xn, w1, b1)
-        sig = torch.sigmoid(pre)
-        hidden = (pre * sig).split(ctx.sizes, dim=-1)
-        dhidden, dsecond = [], []
-        for h, w2, dout in zip(hidden, second[::2], douts):
-            if dout is None:  # an output nobody used
-                dhidden.append(h.new_zeros(h.shape))
-                dsecond += [None, None]
-                continue
-            dout2 = dout.reshape(-1, dout.shape[-1])
-            dhidden.append(dout @ w2)
-            dsecond += [dout2.mT @ h.reshape(-1, h.shape[-1]), dout2.sum(0)]
-        # silu'(p) = σ(p) (1 + p (1 − σ(p)))
-        dpre = torch.cat(dhidden, dim=-1).mul_(sig.mul_(pre.mul_(sig.neg().add_(1)).add_(1)))
-        dpre2 = dpre.reshape(-1, dpre.shape[-1])
-        dw1, db1 = dpre2.mT @ xn.reshape(-1, xn.shape[-1]), dpre2.sum(0)
-        dxn = dpre @ w1
-        # xn = x r with r = (mean(x²) + eps)^(-1/2): dx = r dxn − x r³ (x · dxn) / d
-        dx = (dxn * r).addcmul_(x, _bdot(x, dxn) * r.pow(3), value=-1.0 / x.shape[-1])
-        return dx, dw1, db1, None, *dsecond
 
 
 @register("ldm")
