@@ -13,9 +13,8 @@ timed span, so with ``steps = k·val_every + 1`` it is counted at its real frequ
 The loops run in the order bare, harness, bare (``rounds`` times: bare, harness, bare, harness, bare, ...) in
 one process and each harness run is taken against the mean of the two bare runs around it, so a drift of the
 machine hits both sides; ``bare_spread`` says how far the bare runs differ among themselves, the resolution of
-``harness_cost``. The CPU time other processes used, in the second
-before and during the three loops, is recorded (``harness.benchmarks.quiet``); a row where it passed
-``quiet.OTHERS_LIMIT`` cores is marked ``busy``.
+``harness_cost``. The CPU time other processes used, in the second before a variant's runs and during them, is
+recorded (``harness.benchmarks.quiet``); a row where it passed ``quiet.OTHERS_LIMIT`` cores is marked ``busy``.
 """
 
 from __future__ import annotations
