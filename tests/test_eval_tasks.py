@@ -234,6 +234,26 @@ def test_a_hub_task_with_an_offline_twin_suggests_it(tmp_path, rng_seed, monkeyp
     assert "offline_arc_easy" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_lm_eval_command_line_leaves_its_logging_quiet_and_on_the_current_stderr(tmp_path, rng_seed, monkeypatch):
+    """lm-eval's entry point binds a log handler to the stderr of its first call; a notebook or a test session
+    replaces that stream later, and a later `depthmem eval` in the same process must not print lm-eval's INFO."""
+    import io
+    import logging
+
+    from harness.cli import main
+
+    run = make_run(tmp_path / "run", rng_seed)
+    argv = ["lm-eval", "run", "--model", "depthmem", "--model_args", f"checkpoint={run}", "--tasks", "no_such_task"]
+    assert main(argv) == 2
+    later = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", later)
+    log = logging.getLogger("lm_eval.evaluator")
+    log.info("progress chatter %d", rng_seed)
+    log.warning("a warning %d", rng_seed)
+    assert f"a warning {rng_seed}" in later.getvalue()
+    assert f"progress chatter {rng_seed}" not in later.getvalue()
+
+
 def test_eval_says_where_it_wrote(tmp_path, rng_seed, capsys):
     from harness.cli import main
 

@@ -9,6 +9,7 @@ When no ``--include_path`` is given, the offline suite's folder is added so its 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from harness.errors import UsageError
@@ -66,6 +67,8 @@ def run(args) -> int:
     # lm-eval's parser reads sys.argv itself, including its legacy form without a subcommand.
     saved = sys.argv
     sys.argv = ["lm-eval", *lm_eval_argv(args.rest)]
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
     try:
         cli_evaluate()
     except ValueError as e:
@@ -81,4 +84,38 @@ def run(args) -> int:
         ) from None
     finally:
         sys.argv = saved
+        _settle_logging(logger, level)
     return 0
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """A stream handler that writes to whatever ``sys.stderr`` is at the time of each record."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+def _settle_logging(logger: logging.Logger, level: int) -> None:
+    """Leave lm-eval's logging as quiet as it was before its command line ran, and safe to outlive ``sys.stderr``.
+
+    lm-eval's entry point attaches, once per process, an INFO handler bound to the ``sys.stderr`` of that moment.
+    In a notebook or a test session that stream can be replaced and closed later, and every later lm-eval log
+    line would then fail; and left at INFO, a later ``depthmem eval`` in the same process would print lm-eval's
+    progress chatter. So the handler follows the current stderr, and the logger's level goes back to what it was
+    (the next lm-eval command line raises it again).
+    """
+    for i, h in enumerate(logger.handlers):
+        if type(h) is logging.StreamHandler:
+            follower = _CurrentStderr()
+            follower.setFormatter(h.formatter)
+            follower.setLevel(h.level)
+            logger.handlers[i] = follower
+    logger.setLevel(level)
