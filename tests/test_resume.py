@@ -125,3 +125,27 @@ def test_metrics_log_appends_and_resumes_to_exactly_the_uninterrupted_rows(tmp_p
     with open(path, "a") as f:
         f.write("1")  # a cut-off line that would read as an early step must not count either
     assert [int(r["step"]) for r in _read_rows(path, 12)] == list(range(13))
+
+
+def test_an_error_mid_run_is_a_failure_with_its_cause_not_a_ctrl_c(tmp_path, monkeypatch, rng_seed):
+    """Lightning marks the trainer interrupted for every exception that leaves ``fit``; only a signal may be
+    reported as one, or a crashed job reads as if someone had pressed Ctrl-C."""
+    from harness.training.trainer import LitDecoder
+
+    at = 3 + rng_seed % 4
+    step = LitDecoder.training_step
+
+    def breaks(self, batch, batch_idx):
+        if self.global_step == at:
+            raise RuntimeError(f"connection reset by peer at {at}")
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(LitDecoder, "training_step", breaks)
+    cfg = build_config(
+        {"model": {"preset": "tiny"}, "train": {"max_steps": 12, "seq_len": 32, "seed": rng_seed, "val_every_steps": 8}}
+    )
+    with pytest.raises(RuntimeError, match="connection reset"):
+        train(cfg, tmp_path / "run")
+    status = rundir.read_status(tmp_path / "run")
+    assert status["state"] == "failed" and status["step"] == at, status
+    assert "RuntimeError: connection reset by peer" in status["message"] and "Ctrl-C" not in status["message"]

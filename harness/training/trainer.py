@@ -912,11 +912,12 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         # Lightning turns Ctrl-C into a graceful stop and then SystemExit; a signal is an interruption, not a failure.
+        # (trainer.interrupted alone says nothing: Lightning sets it for every exception that leaves fit.)
         signal_name = (
             "SIGTERM"
             if isinstance(e, SIGTERMException)
             else "Ctrl-C"
-            if isinstance(e, KeyboardInterrupt) or trainer.interrupted
+            if isinstance(e, KeyboardInterrupt) or (isinstance(e, SystemExit) and trainer.interrupted)
             else None
         )
         if rank0:
