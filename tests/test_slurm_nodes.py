@@ -130,12 +130,29 @@ def submitted(tmp_path_factory):
     )
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     for rid in runs:
-        _wait(
-            lambda rid=rid: read_status(root / "nodes" / rid).get("state") in ("done", "failed", "diverged"),
-            900,
-            f"{rid} to finish",
-        )
+        _wait(lambda rid=rid: _settled(root / "nodes" / rid), 900, f"{rid} to finish")
     return tmp, root, runs, str(job_id)
+
+
+def _settled(run_dir: Path) -> bool:
+    """The run is over: it says so, or SLURM no longer holds its job (a job that crashed says nothing more)."""
+    status = read_status(run_dir)
+    if status.get("state") in ("done", "failed", "diverged"):
+        return True
+    job = status.get("job_id")
+    if not job:
+        return False
+    out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True)
+    return out.returncode == 0 and not out.stdout.strip()
+
+
+def _job_logs(root: Path, job: str) -> str:
+    """The last lines each task of a job wrote, for a failure message."""
+    tails = []
+    for path in sorted((root / "nodes" / "jobs").glob(f"{job}_*_log.*")):
+        lines = path.read_text(errors="replace").splitlines()
+        tails.append(f"--- {path.name}\n" + "\n".join(lines[-25:]))
+    return "\n".join(tails)
 
 
 def _single_process(tmp: Path, seed: int) -> Path:
@@ -147,8 +164,8 @@ def test_a_two_node_run_spans_both_hosts_and_matches_one_process(submitted):
     tmp, root, runs, _ = submitted
     run_dir = root / "nodes" / runs[0]
     status = read_status(run_dir)
-    assert status["state"] == "done", status
     job = str(status["job_id"])
+    assert status["state"] == "done", f"{status}\n{_job_logs(root, job)}"
     nodelist = subprocess.run(
         ["sacct", "-n", "-P", "-X", "-j", job, "-o", "NodeList"], capture_output=True, text=True, check=True
     ).stdout.split()
@@ -168,7 +185,9 @@ def test_a_requeued_two_node_job_resumes(submitted):
     tmp, root, runs, job_id = submitted
     run_dir = root / "nodes" / runs[1]
     status = read_status(run_dir)
-    assert status["state"] == "done" and status["attempts"] == 2 and status["step"] == STEPS
+    assert status["state"] == "done" and status["attempts"] == 2 and status["step"] == STEPS, (
+        f"{status}\n{_job_logs(root, job_id)}"
+    )
     log = (root / "nodes" / "jobs" / f"{job_id}_0_log.out").read_text()  # SLURM appends on requeue
     resumed = int(re.search(r"resuming at step (\d+)", log).group(1))
     # From a checkpoint, not from scratch: step 10 or later (a checkpoint written at SIGTERM across two nodes is
