@@ -14,7 +14,9 @@ token. The dual form also computes a layer's query and key MLPs in one pass (the
 ``shared_input_mlps``) and lets the reads add each write's gradient in place (``WriteGradient``). ``recurrent``
 materializes ``M`` (and ``P``) at every layer exactly as the spec writes it, with each MLP on its own; it is the
 reference the tests hold the dual form to, and costs O(d · d_k) per layer whatever the depth
-(docs/ldm-performance.md).
+(docs/ldm-performance.md). In deep models with narrow keys the dual form of the outer-product write reads
+chunkwise (``LDM.chunk``, ``variants/depth_read.py``): every ``C`` writes are folded into a carried ``M``, so a read
+is ``M q`` plus the writes since the latest fold, and its cost stops growing with depth.
 
 Axes: b batch, t time, d width, g groups, v value width d/G, k key width d_k, l depth.
 """
@@ -33,8 +35,9 @@ from torch.utils.checkpoint import checkpoint
 from harness.registry import format_value, knob
 from variants import ldm_costs, ldm_knobs, rls
 from variants.base import DepthMixer, register
+from variants.depth_read import CarriedMemory, CarriedRead, Collected, DepthRead, Fold, WriteGradient
 from variants.layers import RMSNorm
-from variants.ops import _bdot, rms_scale, unit
+from variants.ops import rms_scale, unit
 
 READS = ("residual+memory", "memory", "residual")
 NORM_EPS = 1e-6  # the mixer does not see the model's norm_eps; the decoder's default
@@ -54,10 +57,19 @@ class LDMState(NamedTuple):
     pending: dict | None = None  # qk_source=read: the latest read, under "read" (see ``LDM._qk_input``)
 
 
+class Carried(NamedTuple):
+    """The chunkwise read's carried memory (``variants/depth_read.py``) and the token of its latest fold."""
+
+    memory: CarriedMemory
+    token: torch.Tensor
+
+
 class DualState(NamedTuple):
     """The dual form's streams: residual ``x`` (b, t, d) and the writes so far, keys (b, t, g, k) and values
     (b, t, g, v), whitened for RLS (``variants/rls.py``); ``M`` and ``P`` rebuild the recurrent form's memory
-    from them, for inspection and tests."""
+    from them, for inspection and tests. With chunked reads (``LDM.chunk``) the writes are those since the latest
+    fold, and ``carried`` holds the memory of the folded ones; it grows in place, so a state is current only until
+    the next write."""
 
     x: torch.Tensor
     keys: tuple[torch.Tensor, ...] = ()
@@ -72,15 +84,18 @@ class DualState(NamedTuple):
     # digits (rls.whiten's margin); then ``exact`` holds that recursion's (M, P) and the reads use it.
     raw: tuple = ()
     exact: tuple[torch.Tensor, torch.Tensor] | None = None
+    carried: Carried | None = None
 
     @property
     def M(self) -> torch.Tensor | None:
         """``Σ_i ṽ_i k̃_iᵀ`` (b, t, g, v, k), or None before the first write."""
         if self.exact is not None:
             return self.exact[0].to(self.keys[0].dtype)
-        if not self.keys:
-            return None
-        return sum(v.unsqueeze(-1) * k.unsqueeze(-2) for k, v in zip(self.keys, self.values))
+        parts = [v.unsqueeze(-1) * k.unsqueeze(-2) for k, v in zip(self.keys, self.values)]
+        if self.carried is not None:
+            memory = self.carried.memory
+            parts.insert(0, memory.M.detach().clone().unflatten(0, memory.shape))
+        return sum(parts) if parts else None
 
     @property
     def P(self) -> torch.Tensor | None:
@@ -93,98 +108,6 @@ class DualState(NamedTuple):
         # Each outer product is exactly symmetric, so their sum is too.
         gram = sum(k.unsqueeze(-1) * k.unsqueeze(-2) for k in self.keys)
         return (self.alpha / self.decay)[:, None, None] * (eye - gram)
-
-
-class WriteGradient:
-    """The gradient of one write's key and value, added up in place by every read that saw the write.
-
-    Autograd would give each (read, write) pair its own fresh gradient tensors and then sum them, one allocation
-    and one addition per pair: O(L²) temporaries of a (b, t, d) tensor each, the largest cost of the dual form's
-    backward on CPU. Instead ``DepthRead`` adds into these two buffers, and ``Collected``, the node every read's
-    use of the write passes through, hands them on once autograd has run all those reads' backward passes.
-    """
-
-    __slots__ = ("key", "value")
-
-    def __init__(self):
-        self.key = self.value = None
-
-    def add(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Add ``a * b`` to the buffer ``name``."""
-        buf = getattr(self, name)
-        if buf is None:
-            setattr(self, name, a * b)
-        else:
-            buf.addcmul_(a, b)
-
-    def take(self, name: str, incoming: torch.Tensor | None) -> torch.Tensor | None:
-        """The buffer plus any gradient that reached the write another way, emptying the buffer."""
-        buf = getattr(self, name)
-        setattr(self, name, None)  # a second backward through a retained graph starts from zero again
-        if buf is None:
-            return incoming
-        return buf if incoming is None else buf.add_(incoming)
-
-
-class Collected(torch.autograd.Function):
-    """Identity on a write ``(key, value)``; its backward returns what the reads added into ``grad``."""
-
-    @staticmethod
-    def forward(ctx, key, value, grad: WriteGradient):
-        ctx.grad = grad
-        ctx.set_materialize_grads(False)  # the reads return None for the write; no zeros to fill and add
-        return key.view_as(key), value.view_as(value)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dkey, dvalue):
-        # Autograd runs this only after the backward of every node that used the outputs, so the buffers are full.
-        return ctx.grad.take("key", dkey), ctx.grad.take("value", dvalue), None
-
-
-class DepthRead(torch.autograd.Function):
-    """``M q = Σ_i v_i (k_iᵀ q)`` from the writes themselves: linear attention over depth, O(writes · d) per token.
-
-    ``apply(q, grads, *keys, *values)``: ``q`` and keys (b, t, g, k), values (b, t, g, v) -> (b, t, g, v);
-    ``grads`` holds one ``WriteGradient`` per write (or None, to return the write's gradient to autograd).
-    Written out by hand so that backward keeps only the query and the writes (which the graph holds anyway), and
-    accumulates in place instead of building one temporary per write and operation. The per-token scores
-    ``k_iᵀ q`` are recomputed in backward rather than saved: saved, they are one (b, t, g) tensor per (read,
-    write) pair, O(L²) over the depth (147 MiB at 48 layers of the ``small`` preset), for one batched product
-    each to recompute.
-    """
-
-    @staticmethod
-    def forward(ctx, q, grads, *writes):
-        n = len(writes) // 2
-        m = None
-        for k, v in zip(writes[:n], writes[n:]):
-            z = _bdot(k, q)  # k_iᵀ q, (b, t, g, 1)
-            m = z * v if m is None else m.addcmul_(z, v)
-        ctx.grads = grads
-        ctx.save_for_backward(q, *writes)
-        return m
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dm):
-        q, *rest = ctx.saved_tensors
-        n = len(rest) // 2
-        keys, values = rest[:n], rest[n:]
-        dq, dkeys, dvalues = None, [], []
-        for k, v, grad in zip(keys, values, ctx.grads):
-            dz = _bdot(v, dm)  # (b, t, g, 1)
-            dq = dz * k if dq is None else dq.addcmul_(dz, k)
-            z = _bdot(k, q)
-            if grad is None:
-                dkeys.append(dz * q)
-                dvalues.append(z * dm)
-            else:
-                grad.add("key", dz, q)
-                grad.add("value", z, dm)
-                dkeys.append(None)
-                dvalues.append(None)
-        return dq, None, *dkeys, *dvalues
 
 
 class SmallMLP(nn.Module):
@@ -225,6 +148,17 @@ def _shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tens
     b1 = torch.cat([m.fc1.bias.to(dt) for m in mlps])
     hidden = F.silu(F.linear(xn, w1, b1)).split([m.fc1.out_features for m in mlps], dim=-1)
     return [F.linear(h, m.fc2.weight.to(dt), m.fc2.bias.to(dt)) for h, m in zip(hidden, mlps)]
+
+
+CHUNK = 6
+"""Writes per chunk of the chunked depth read: each fold costs about as much as one read of the carried memory."""
+
+
+def default_chunk(n_writes: int, key_dim: int) -> int:
+    """How many writes the dual read folds into a carried memory at a time, 0 for never: only where the writes
+    outnumber what the carried memory costs to read (``M`` holds ``d · d_k`` floats per token, ``d_k / 2`` writes'
+    worth) by enough to pay for the folds; measured in docs/ldm-performance.md."""
+    return CHUNK if n_writes >= 2 * (key_dim // 2 + CHUNK) else 0
 
 
 @register("ldm")
@@ -317,6 +251,9 @@ class LDM(DepthMixer):
         # "dual" (the default) carries the writes and reads them as linear attention over depth; "recurrent" is
         # the spec's recursion with M (and P) materialized at every layer, kept as the reference.
         self.impl: Literal["dual", "recurrent"] = "dual"
+        # Dual form, outer-product write: fold every `chunk` writes into a carried memory (0: never), where that
+        # is cheaper than reading the writes one by one (``default_chunk``).
+        self.chunk = 0 if self.rls else default_chunk(n_layers + (cfg.read == "memory"), self.dk)
         if not self.uses_memory:
             return  # read=residual is PreLN: no memory, no parameters, nothing to compute.
 
@@ -378,8 +315,8 @@ class LDM(DepthMixer):
 
     def _write_memory(self, state, n: int, layer: int, value: torch.Tensor):
         """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``_qk_input``: the new memory part
-        of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay, grads, raw, exact)`` in the dual
-        form."""
+        of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay, grads, raw, exact, carried)`` in
+        the dual form."""
         dt = torch.promote_types(value.dtype, torch.float32)
         with torch.autocast(device_type=value.device.type, enabled=False):
             pending = None if self.impl == "recurrent" else state.pending.pop(layer, None)
@@ -396,18 +333,25 @@ class LDM(DepthMixer):
                 raw = state.raw + ((k, v, lam, omega),)
                 if state.exact is not None:  # already handed over: one more step of the recursion
                     exact = rls.rls_write(*state.exact, k.double(), v.double(), lam.double(), omega.double())
-                    return state.keys, state.values, decay, state.grads, raw, exact
+                    return state.keys, state.values, decay, state.grads, raw, exact, None
                 k, v, margin = rls.whiten(
                     k, v, rls.ridge_diagonal(decay, omega, self.cfg.alpha), state.keys, state.values, state.grads
                 )
                 if margin < rls.min_margin(k.dtype):
                     # This write's δ² cancelled below the precision: the exact recursion from here on.
-                    return state.keys, state.values, decay, state.grads, raw, rls.replay(raw, self.cfg.alpha)
+                    exact = rls.replay(raw, self.cfg.alpha)
+                    return state.keys, state.values, decay, state.grads, raw, exact, None
             grad = None
             if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
                 grad = WriteGradient()
                 k, v = Collected.apply(k, v, grad)
-            return state.keys + (k,), state.values + (v,), decay, state.grads + (grad,), raw, exact
+            keys, values, grads, carried = state.keys + (k,), state.values + (v,), state.grads + (grad,), state.carried
+            # The compiled graph cannot follow the carried memory's buffer, so a compiled model reads every write.
+            if len(keys) == self.chunk and not torch.compiler.is_compiling():
+                memory = carried.memory if carried is not None else CarriedMemory()
+                token = Fold.apply(memory, carried.token if carried is not None else None, *keys, *values)
+                keys, values, grads, carried = (), (), (), Carried(memory, token)
+            return keys, values, decay, grads, raw, exact, carried
 
     def _read(self, state, reader: int) -> torch.Tensor:
         """Reader ``reader``'s input, kept as the latest read when queries and keys come from the reads."""
@@ -420,7 +364,10 @@ class LDM(DepthMixer):
         """Reader ``reader``'s input: ``x``, ``x + concat_g(M^g q^g)`` or the memory read alone."""
         x = state.x
         # M_{-1} = 0: nothing to read
-        empty = state.M is None if self.impl == "recurrent" else not state.keys and state.exact is None
+        if self.impl == "recurrent":
+            empty = state.M is None
+        else:
+            empty = not state.keys and state.exact is None and state.carried is None
         if not self.uses_memory or empty:
             return x
         src = self._qk_input(state)
@@ -441,6 +388,9 @@ class LDM(DepthMixer):
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
             elif state.exact is not None:
                 m = torch.einsum("btgvk,btgk->btgv", state.exact[0], q.double()).to(dt)
+            elif state.carried is not None:
+                memory, token = state.carried
+                m = CarriedRead.apply(q, memory, token, state.grads, *state.keys, *state.values)
             else:
                 m = DepthRead.apply(q, state.grads, *state.keys, *state.values)
             m = m.flatten(-2)  # (b, t, g, v) -> (b, t, d)
@@ -469,8 +419,10 @@ class LDM(DepthMixer):
         """The state with residual ``x`` and the memory part returned by ``_write_memory``."""
         if self.impl == "recurrent":
             return LDMState(x, *memory, state.pending)
-        keys, values, decay, grads, raw, exact = memory
-        return state._replace(x=x, keys=keys, values=values, decay=decay, grads=grads, raw=raw, exact=exact)
+        keys, values, decay, grads, raw, exact, carried = memory
+        return state._replace(
+            x=x, keys=keys, values=values, decay=decay, grads=grads, raw=raw, exact=exact, carried=carried
+        )
 
     def read(self, state, layer):
         return self._read(state, layer)

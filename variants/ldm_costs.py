@@ -6,6 +6,10 @@ over the writes so far, ``2·(G·d_k + d)`` per write, and an RLS write first pr
 writes. With ``groups=1`` (``d_k = d``) the recurrent count is ``2·d²`` per read against ``O(L·d)`` for what runs,
 so pricing the wrong form overstates the cost many times.
 
+With chunked reads (``mixer.chunk``, outer-product write only) every ``C`` writes are folded into a carried
+``M``, ``2·d·d_k·C`` per fold; a read after the first fold then costs ``2·d·d_k`` for ``M q`` plus the dual sum over
+the writes since the latest fold.
+
 Both counts walk the forward in the order the mixer runs it (the embedding write, then a read and a write per
 layer, then the head's read) and return matrix products, which ``torch.utils.flop_counter`` sees and the tests hold
 them to exactly, apart from elementwise work (norms, activations, biases, additions), which is an analytic estimate.
@@ -42,6 +46,8 @@ def flops_per_token(mixer) -> tuple[int, int]:
         nonlocal mm, other
         mm, other = (mm + 2 * G * dk, other + G * dk + G) if dual else (mm, other + 3 * G * dk + G)
 
+    chunk = mixer.chunk if dual and not mixer.rls else 0
+
     def read(n: int, reader: int) -> bool:
         """Reader ``reader`` over ``n`` writes; True when its pass also computed the key of its layer's write."""
         nonlocal mm, other
@@ -49,8 +55,12 @@ def flops_per_token(mixer) -> tuple[int, int]:
         mlps(G * dk, key_out) if with_key else mlps(G * dk)
         unit()
         if dual:
-            mm += n * 2 * G * dk  # k_iᵀ q
-            other += (2 * n - 1) * d  # Σ_i v_i (k_iᵀ q)
+            folded = n - n % chunk if chunk else 0
+            if folded:
+                mm += 2 * d * dk  # M q
+            unfolded = n - folded
+            mm += unfolded * 2 * G * dk  # k_iᵀ q
+            other += (2 * unfolded - (0 if folded else 1)) * d  # Σ_i v_i (k_iᵀ q)
         else:
             mm += 2 * d * dk  # M q
         other += d if mixer.cfg.read != "memory" else 0  # x + M q
@@ -63,6 +73,8 @@ def flops_per_token(mixer) -> tuple[int, int]:
             mlps(key_out)
         unit()
         if not mixer.rls:
+            if chunk and (n + 1) % chunk == 0:
+                mm += 2 * d * dk * chunk  # the fold: M + Σ v kᵀ over the chunk
             other += 0 if dual else (2 * d * dk if n else d * dk)  # M + v kᵀ
             return
         other += 6 * G  # λ, ω and the ridge entry d_n = Πλ / (α ω)

@@ -1,0 +1,254 @@
+"""The depth read of LDM's dual form, ``M q = Σ_i v_i (k_iᵀ q)`` from the writes themselves, and its chunkwise
+form, which folds every ``C`` writes into a carried memory ``M`` and reads ``M q`` plus the writes since.
+
+Read over the writes alone, the read costs O(n · d) per token with ``n`` writes so far, so a whole depth costs
+O(L² · d). The carried memory costs O(d · d_k) per read whatever the depth, the price of reading ``d_k / 2`` writes
+(``M`` holds ``d · d_k`` floats per token, a write ``2d``); carrying it beyond every ``C``-th write keeps the
+dual form's cost within a chunk and the carried form's slope over depth, as chunkwise linear attention does along
+time. ``M`` is never saved for backward: one buffer serves the whole forward pass, and backward recovers the memory
+each read saw by subtracting the folded writes again, in the reverse order autograd visits the folds.
+
+Autograd orders all of it. A fold's output is a token that every later read of its chunk and the next fold take as
+an input, so a fold's backward runs after the backward of every read that saw its memory, and before that of any
+read that came earlier (those produced the writes the fold consumed). The reads' gradients of ``M`` are kept as
+their ``(∂m, q)`` pairs and summed by one batched product in the fold's backward.
+
+Axes: b batch, t time, g groups, k key width d_k, v value width d/G; B = b·t·g; n writes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from variants.ops import _bdot
+
+
+class WriteGradient:
+    """The gradient of one write's key and value, added up in place by every read that saw the write.
+
+    Autograd would give each (read, write) pair its own fresh gradient tensors and then sum them, one allocation
+    and one addition per pair: O(L²) temporaries of a (b, t, d) tensor each, the largest cost of the dual form's
+    backward on CPU. Instead ``DepthRead`` adds into these two buffers, and ``Collected``, the node every read's
+    use of the write passes through, hands them on once autograd has run all those reads' backward passes.
+    """
+
+    __slots__ = ("key", "value")
+
+    def __init__(self):
+        self.key = self.value = None
+
+    def add(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Add ``a * b`` to the buffer ``name``."""
+        buf = getattr(self, name)
+        if buf is None:
+            setattr(self, name, a * b)
+        else:
+            buf.addcmul_(a, b)
+
+    def take(self, name: str, incoming: torch.Tensor | None) -> torch.Tensor | None:
+        """The buffer plus any gradient that reached the write another way, emptying the buffer."""
+        buf = getattr(self, name)
+        setattr(self, name, None)  # a second backward through a retained graph starts from zero again
+        if buf is None:
+            return incoming
+        return buf if incoming is None else buf.add_(incoming)
+
+
+class Collected(torch.autograd.Function):
+    """Identity on a write ``(key, value)``; its backward returns what the reads added into ``grad``."""
+
+    @staticmethod
+    def forward(ctx, key, value, grad: WriteGradient):
+        ctx.grad = grad
+        ctx.set_materialize_grads(False)  # the reads return None for the write; no zeros to fill and add
+        return key.view_as(key), value.view_as(value)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dkey, dvalue):
+        # Autograd runs this only after the backward of every node that used the outputs, so the buffers are full.
+        return ctx.grad.take("key", dkey), ctx.grad.take("value", dvalue), None
+
+
+def _read_writes(q, keys, values, m=None):
+    """``m + Σ_i v_i (k_iᵀ q)``, accumulated in place into ``m`` when one is given."""
+    for k, v in zip(keys, values):
+        z = _bdot(k, q)  # k_iᵀ q, (b, t, g, 1)
+        m = z * v if m is None else m.addcmul_(z, v)
+    return m
+
+
+def _read_writes_backward(dm, q, keys, values, grads, dq=None):
+    """``(dq, dkeys, dvalues)`` of ``_read_writes``; a write with a ``WriteGradient`` gets its gradient added there
+    and None in the lists. The scores ``k_iᵀ q`` are recomputed, not saved (see ``DepthRead``)."""
+    dkeys, dvalues = [], []
+    for k, v, grad in zip(keys, values, grads):
+        dz = _bdot(v, dm)  # (b, t, g, 1)
+        dq = dz * k if dq is None else dq.addcmul_(dz, k)
+        z = _bdot(k, q)
+        if grad is None:
+            dkeys.append(dz * q)
+            dvalues.append(z * dm)
+        else:
+            grad.add("key", dz, q)
+            grad.add("value", z, dm)
+            dkeys.append(None)
+            dvalues.append(None)
+    return dq, dkeys, dvalues
+
+
+class DepthRead(torch.autograd.Function):
+    """``M q = Σ_i v_i (k_iᵀ q)`` from the writes themselves: linear attention over depth, O(writes · d) per token.
+
+    ``apply(q, grads, *keys, *values)``: ``q`` and keys (b, t, g, k), values (b, t, g, v) -> (b, t, g, v);
+    ``grads`` holds one ``WriteGradient`` per write (or None, to return the write's gradient to autograd).
+    Written out by hand so that backward keeps only the query and the writes (which the graph holds anyway), and
+    accumulates in place instead of building one temporary per write and operation. The per-token scores
+    ``k_iᵀ q`` are recomputed in backward rather than saved: saved, they are one (b, t, g) tensor per (read,
+    write) pair, O(L²) over the depth (147 MiB at 48 layers of the ``small`` preset), for one batched product
+    each to recompute.
+    """
+
+    @staticmethod
+    def forward(ctx, q, grads, *writes):
+        n = len(writes) // 2
+        ctx.grads = grads
+        ctx.save_for_backward(q, *writes)
+        return _read_writes(q, writes[:n], writes[n:])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dm):
+        q, *rest = ctx.saved_tensors
+        n = len(rest) // 2
+        dq, dkeys, dvalues = _read_writes_backward(dm, q, rest[:n], rest[n:], ctx.grads)
+        return dq, None, *dkeys, *dvalues
+
+
+# -- the chunkwise form --------------------------------------------------------------------------------------
+
+
+def _stacked(keys, values) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's writes as batched matrices: keys (B, n, k) and values (B, v, n)."""
+    return torch.stack(keys, -2).flatten(0, -3), torch.stack(values, -1).flatten(0, -3)
+
+
+class CarriedMemory:
+    """``M = Σ v_i k_iᵀ`` over the folded writes of one forward pass, (B, v, k), shared by its folds and reads.
+
+    In forward ``M`` grows in place, one fold per chunk. In backward it holds the memory as of fold ``phase`` (the
+    latest fold whose writes it includes), which each fold's backward lowers by one, and ``grad`` the gradient of
+    the memory summed over every read after the fold being differentiated. ``pending`` keeps, per phase, the
+    ``(∂m, q)`` pairs of the reads that saw the memory of that phase, for one batched product instead of one
+    (B, v, k) update per read.
+    """
+
+    __slots__ = ("M", "shape", "folds", "phase", "chunks", "pending", "grad", "__weakref__")
+
+    def __init__(self):
+        self.M: torch.Tensor | None = None
+        self.shape: tuple[int, ...] = ()  # (b, t, g): the leading axes B flattens
+        self.folds = 0
+        self.phase = -1
+        self.chunks: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+        self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.grad: torch.Tensor | None = None
+
+    def fold(self, keys, values) -> int:
+        """Add a chunk's writes to ``M``; its phase number."""
+        K, V = _stacked(keys, values)
+        if self.M is None:
+            self.shape = keys[0].shape[:-1]
+            self.M = torch.bmm(V, K)
+        else:
+            torch.baddbmm(self.M, V, K, out=self.M)  # in place, written so that FLOP counters see it
+        # Detached (the same storage): the graph holds this object through its nodes' contexts, and a tensor that
+        # held its graph in turn would make a reference cycle that outlives the step.
+        self.chunks.append((tuple(k.detach() for k in keys), tuple(v.detach() for v in values)))
+        self.phase = self.folds
+        self.folds += 1
+        return self.phase
+
+    def at(self, phase: int) -> torch.Tensor:
+        """``M`` as the reads of ``phase`` saw it. Backward starts at the last phase; a second backward through a
+        retained graph finds ``M`` lowered by the first and adds every chunk again, in the forward's order."""
+        if self.phase != phase:
+            if phase != self.folds - 1:
+                raise RuntimeError(f"carried memory asked for phase {phase} while at {self.phase}")
+            self.M = None
+            for keys, values in self.chunks:
+                K, V = _stacked(keys, values)
+                self.M = torch.bmm(V, K) if self.M is None else self.M.baddbmm_(V, K)
+            self.phase = phase
+        return self.M
+
+    def gradient(self, phase: int) -> torch.Tensor:
+        """``∂L/∂M`` after fold ``phase``: what its reads owe (``Σ ∂m qᵀ``) plus what later folds handed on."""
+        later = self.grad if phase < self.folds - 1 else None
+        self.grad = None
+        owed = self.pending.pop(phase, [])
+        if owed:
+            dm = torch.stack([g for g, _ in owed], -1)  # (B, v, r)
+            q = torch.stack([q for _, q in owed], -2)  # (B, r, k)
+            return torch.bmm(dm, q) if later is None else later.baddbmm_(dm, q)
+        return later if later is not None else torch.zeros_like(self.M)
+
+
+class Fold(torch.autograd.Function):
+    """``M ← M + Σ_{i in the chunk} v_i k_iᵀ``. ``apply(memory, token, *keys, *values)`` -> the new token.
+
+    ``token`` (the previous fold's, or None for the first) and the returned empty tensor carry no values; they
+    are the edges that order the folds' and reads' backward passes (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, memory: CarriedMemory, token, *writes):
+        n = len(writes) // 2
+        ctx.memory, ctx.phase = memory, memory.fold(writes[:n], writes[n:])
+        ctx.save_for_backward(*writes)
+        ctx.set_materialize_grads(False)
+        return writes[0].new_empty(0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _):
+        memory, phase = ctx.memory, ctx.phase
+        writes = ctx.saved_tensors
+        n = len(writes) // 2
+        memory.at(phase)
+        G = memory.gradient(phase)  # (B, v, k)
+        K, V = _stacked(writes[:n], writes[n:])
+        dK = torch.bmm(V.mT, G).unflatten(0, memory.shape)  # Gᵀ v_i, (b, t, g, n, k)
+        dV = torch.bmm(G, K.mT).unflatten(0, memory.shape)  # G k_i, (b, t, g, v, n)
+        # The memory before this fold, for the reads between the previous fold and this one; this fold's M is
+        # the previous one's plus its writes, so the gradient passes on unchanged.
+        memory.M.baddbmm_(V, K, alpha=-1.0)
+        memory.phase = phase - 1
+        memory.grad = G if phase > 0 else None
+        return None, None, *dK.unbind(-2), *dV.unbind(-1)
+
+
+class CarriedRead(torch.autograd.Function):
+    """``M q + Σ_{i in the open chunk} v_i (k_iᵀ q)``. ``apply(q, memory, token, grads, *keys, *values)``: as
+    ``DepthRead``, plus the carried memory and the token of its latest fold."""
+
+    @staticmethod
+    def forward(ctx, q, memory: CarriedMemory, token, grads, *writes):
+        n = len(writes) // 2
+        M = memory.M
+        m = torch.bmm(M, q.reshape(-1, q.shape[-1], 1)).view(*q.shape[:-1], M.shape[-2])  # (b, t, g, v)
+        ctx.memory, ctx.phase, ctx.grads = memory, memory.phase, grads
+        ctx.save_for_backward(q, *writes)
+        return _read_writes(q, writes[:n], writes[n:], m)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dm):
+        q, *rest = ctx.saved_tensors
+        n = len(rest) // 2
+        M = ctx.memory.at(ctx.phase)
+        dm_flat = dm.reshape(-1, dm.shape[-1])
+        dq = torch.bmm(M.mT, dm_flat.unsqueeze(-1)).view_as(q)  # Mᵀ ∂m
+        owed = (dm_flat.detach(), q.detach().reshape(-1, q.shape[-1]))  # detached, as in ``CarriedMemory.fold``
+        ctx.memory.pending.setdefault(ctx.phase, []).append(owed)
+        dq, dkeys, dvalues = _read_writes_backward(dm, q, rest[:n], rest[n:], ctx.grads, dq)
+        return dq, None, None, None, *dkeys, *dvalues
