@@ -66,7 +66,11 @@ def add_parser(sub):
         help="vocabulary size; the preset's GPT-2 50257 makes the LM head dominate at small width",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", default="float32", help="float32 or bf16 (autocast; state stays float32)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 or bf16 (autocast; state stays float32); default float32, bf16 with --micro-batch-memory",
+    )
     p.add_argument(
         "--repeats",
         type=int,
@@ -104,6 +108,18 @@ def add_parser(sub):
         help="refuse to start on a busy machine, and write nothing if it became busy (reference numbers)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
+    fit = p.add_argument_group("what fits a card (--micro-batch-memory)")
+    fit.add_argument(
+        "--micro-batch-memory",
+        action="store_true",
+        help="instead: peak memory of a whole AdamW training step at each micro batch, the line through them, "
+        "and the largest micro batch per card size (defaults: gpt2-small, seq 1024, bf16)",
+    )
+    fit.add_argument("--micro-batches", default="1,2", help="micro batches to measure (default: 1,2)")
+    fit.add_argument("--cards", default="40,80", help="card sizes in GiB to fit (default: 40,80)")
+    fit.add_argument(
+        "--headroom", type=float, default=0.15, help="share of the card left to CUDA, NCCL and the allocator"
+    )
     loop = p.add_argument_group("training loop (--loop)")
     loop.add_argument(
         "--loop",
@@ -147,6 +163,49 @@ def _run_compile(args, settings) -> int:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "compile.csv", df.to_csv(index=False))
     print(f"\nwrote {out}/compile.csv")
+    return 0
+
+
+def run_micro_batch(args) -> int:
+    from pathlib import Path
+
+    micro = _int_list("--micro-batches", args.micro_batches)
+    cards = _int_list("--cards", args.cards)
+    seqs = _int_list("--seq", args.seq) or [1024]
+    if len(set(micro)) < 2 or min(micro) < 1:
+        raise UsageError(f"--micro-batches needs two or more distinct positive sizes, got {args.micro_batches!r}.")
+    if len(seqs) != 1:
+        raise UsageError(f"--micro-batch-memory takes one sequence length, got {args.seq!r}.")
+    if not 0 <= args.headroom < 1:
+        raise UsageError(f"--headroom must be in [0, 1), got {args.headroom}.")
+    dtype = args.dtype or "bf16"
+    if dtype not in ("float32", "bf16"):
+        raise UsageError(f"--dtype must be float32 or bf16, got {dtype!r}.")
+    settings = dict(
+        variants=args.variants, preset=args.preset or "gpt2-small", seq_len=seqs[0], micro_batches=micro,
+        dtype=dtype, device=args.device, seed=args.seed,
+    )  # fmt: skip
+    if args.dry_run:
+        for key, value in {**settings, "cards": cards, "headroom": args.headroom}.items():
+            print(f"{key}: {value}")
+        return 0
+    from harness.benchmarks import benchmark as B
+    from harness.benchmarks import micro_batch as MB
+
+    settings["variants"] = B.resolve_variants(args.variants)
+    df = MB.micro_batch_memory(**settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    table = MB.fit_table(df, cards, args.headroom)
+    meta = df.attrs["meta"]
+    print(
+        f"one AdamW step, preset {meta['preset']}, seq {meta['seq_len']}, {meta['dtype']} on {meta['device']}; "
+        f"fits_*: the largest micro batch with {args.headroom:.0%} of the card and DDP's gradient buckets aside"
+    )
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "micro_batch.csv", df.to_csv(index=False))
+    atomic_write_text(out / "micro_batch_fit.csv", table.to_csv(index=False))
+    print(f"\nwrote {out}/micro_batch.csv and micro_batch_fit.csv")
     return 0
 
 
@@ -194,6 +253,8 @@ def _cores(others: float | None) -> str:
 def run(args) -> int:
     if args.loop:
         return run_loop(args)
+    if args.micro_batch_memory:
+        return run_micro_batch(args)
     from harness.benchmarks import benchmark as B
 
     settings = dict(preset="small", depths=None, seqs=[256], batch_size=8, repeats=5, warmup=2)
@@ -212,7 +273,7 @@ def run(args) -> int:
         variants=args.variants,
         widths=_int_list("--widths", args.widths),
         device=args.device,
-        dtype=args.dtype,
+        dtype=args.dtype or "float32",
         vocab=args.vocab,
         threads=args.threads,
         steps_per_repeat=args.steps_per_repeat,
