@@ -122,9 +122,10 @@ def test_ldm_matmul_count_matches_torch_flop_counter(spec, impl, rng_seed):
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
-@pytest.mark.parametrize("spec", [s for s in LDM_COST_SPECS if not s.startswith("ldm-rls")])
+@pytest.mark.parametrize("spec", LDM_COST_SPECS)
 def test_chunked_read_matmul_count_matches_torch_flop_counter(spec, chunk, rng_seed):
-    """Folds (M + Σ v kᵀ per chunk) and reads of the carried memory (M q) are counted as they run."""
+    """Folds (M + Σ v kᵀ per chunk, and S + Σ k kᵀ for RLS), reads of the carried memory (M q) and RLS's
+    whitening against it (S k, M k, kᵀ S k) are counted as they run."""
     from variants import ldm_costs
 
     mixer = variants.build(spec, d_model=48, n_layers=5)

@@ -178,13 +178,14 @@ def test_dual_state_stays_float32_under_bf16_and_float64_in_float64(spec, rng_se
 
 
 # -- the chunked read: writes folded into a carried memory every `chunk` writes ----------------------------------
-CHUNKED_SPECS = [s for s in DUAL_SPECS if s.startswith("ldm") and not s.startswith("ldm-rls")]
+CHUNKED_SPECS = DUAL_SPECS
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
 @pytest.mark.parametrize("spec", CHUNKED_SPECS)
 def test_chunked_read_equals_recurrent_values_and_gradients(spec, chunk, rng_seed):
-    """Every fold, every read of a carried memory and every downdate in backward, against the recursion."""
+    """Every fold, every read of a carried memory (and for RLS every whitening against it) and every downdate in
+    backward, against the recursion."""
     dual, recurrent = _pair(spec, n_blocks=3)  # 6 layers (7 writes with read=memory): folds at every chunk size
     dual.mixer.chunk = chunk
     idx, targets = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
@@ -199,8 +200,9 @@ def test_chunked_read_equals_recurrent_values_and_gradients(spec, chunk, rng_see
         torch.testing.assert_close(p.grad, expected, rtol=1e-8, atol=1e-12, msg=name)
 
 
-def test_chunked_state_holds_the_recurrent_memory_after_every_layer(rng_seed):
-    dual, recurrent = _pair("ldm(groups=4)", n_blocks=4)
+@pytest.mark.parametrize("spec", ["ldm(groups=4)", "ldm-rls(groups=4)"])
+def test_chunked_state_holds_the_recurrent_memory_after_every_layer(spec, rng_seed):
+    dual, recurrent = _pair(spec, n_blocks=4)
     dual.mixer.chunk = 3
     e = torch.randn(2, 5, 64, dtype=torch.float64)
     with torch.no_grad():
@@ -212,9 +214,12 @@ def test_chunked_state_holds_the_recurrent_memory_after_every_layer(rng_seed):
             s_dual, s_rec = dual.mixer.write(s_dual, layer, v), recurrent.mixer.write(s_rec, layer, v)
             assert len(s_dual.keys) == (layer + 1) % 3 and (s_dual.carried is None) == (layer < 2)
             torch.testing.assert_close(s_dual.M, s_rec.M, rtol=1e-10, atol=1e-12)
+            if dual.mixer.rls:
+                torch.testing.assert_close(s_dual.P, s_rec.P, rtol=1e-10, atol=1e-10)
 
 
-def test_chunked_read_survives_a_second_backward_and_frees_its_memory(rng_seed):
+@pytest.mark.parametrize("spec", ["ldm", "ldm-rls(groups=4)"])
+def test_chunked_read_survives_a_second_backward_and_frees_its_memory(spec, rng_seed):
     """A second backward through the retained graph rebuilds the carried memory the first one lowered, so two
     passes give exactly twice the gradient; and once the graph is gone, so is the memory (no reference cycle
     through the nodes that share it)."""
@@ -223,14 +228,14 @@ def test_chunked_read_survives_a_second_backward_and_frees_its_memory(rng_seed):
 
     from variants.depth_read import CarriedMemory
 
-    model = build_model(model_preset("tiny", n_blocks=3), "ldm").to(torch.float64)
+    model = build_model(model_preset("tiny", n_blocks=3), spec).to(torch.float64)
     model.mixer.chunk = 2
     idx = torch.randint(0, VOCAB, (2, 9))
     made = []
     original = CarriedMemory.__init__
 
-    def tracked(self):
-        original(self)
+    def tracked(self, *args, **kwargs):
+        original(self, *args, **kwargs)
         made.append(weakref.ref(self))
 
     CarriedMemory.__init__ = tracked
@@ -249,10 +254,11 @@ def test_chunked_read_survives_a_second_backward_and_frees_its_memory(rng_seed):
     assert made[0]() is None
 
 
-def test_chunked_float32_stays_close_to_the_float64_recursion_at_depth(rng_seed):
+@pytest.mark.parametrize("spec", ["ldm(groups=4)", "ldm-rls(groups=4)"])
+def test_chunked_float32_stays_close_to_the_float64_recursion_at_depth(spec, rng_seed):
     """Backward recovers each earlier memory by subtracting folded writes from a float32 sum: over 48 layers and
     24 folds the rounding that leaves must stay small, in values and in gradients."""
-    dual, recurrent = _pair("ldm(groups=4)", n_blocks=24)
+    dual, recurrent = _pair(spec, n_blocks=24)
     dual = dual.to(torch.float32)
     dual.mixer.chunk = 2
     idx, targets = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
@@ -265,7 +271,7 @@ def test_chunked_float32_stays_close_to_the_float64_recursion_at_depth(rng_seed)
 
 
 def test_chunking_is_chosen_by_depth_and_key_width():
-    """Shallow models and RLS read every write; deep outer-product memories with narrow keys fold them."""
+    """Shallow models read every write; deep ones with narrow keys fold them."""
     from variants import ldm as ldm_module
 
     def chunk(spec, n_blocks, d_model=256, n_heads=4):
@@ -274,6 +280,6 @@ def test_chunking_is_chosen_by_depth_and_key_width():
 
     assert chunk("ldm", 4) == 0 and chunk("ldm", 12) == 0
     assert chunk("ldm", 16) == ldm_module.CHUNK and chunk("ldm", 24) == ldm_module.CHUNK
-    assert chunk("ldm-rls", 24) == 0
+    assert chunk("ldm-rls", 24) == ldm_module.CHUNK and chunk("ldm-rls", 12) == 0
     assert chunk("ldm(groups=4)", 24) == 0  # d_k = 64: the carried memory costs 32 writes to read
     assert ldm_module.default_chunk(0, 16) == 0

@@ -73,9 +73,13 @@ def _run(model, idx, bf16: bool = False):
     return logits, reads, trace
 
 
+@pytest.mark.parametrize("chunk", [0, 4], ids=["every-write", "chunked"])
 @pytest.mark.parametrize("layers, groups, key_dim, lam, alpha", STRESS)
-def test_float32_reads_and_logits_match_the_float64_recursion(layers, groups, key_dim, lam, alpha, rng_seed):
+def test_float32_reads_and_logits_match_the_float64_recursion(layers, groups, key_dim, lam, alpha, chunk, rng_seed):
+    """Both dual reads: over every earlier write, and over a carried memory folded every 4 writes (whose
+    whitening reads the folded keys through their Gram matrix)."""
     ref, fast = _models(layers, groups, key_dim, lam, alpha)
+    fast.mixer.chunk = chunk
     idx = torch.randint(0, VOCAB, (B, T))
     want_logits, want_reads, trace = _run(ref, idx)
     got_logits, got_reads, _ = _run(fast, idx)
@@ -112,18 +116,24 @@ def test_bf16_error_within_twice_prelns_own(layers, groups, key_dim, lam, alpha,
     assert 0 < _rel(got_logits, want_logits) <= 2 * preln_error
 
 
+@pytest.mark.parametrize("chunk", [0, 2])
 @pytest.mark.parametrize("spec", ["ldm-rls(groups=4,lambda=0.6)", "ldm-rls(read=memory,groups=2,alpha=0.3)"])
-def test_hand_over_to_the_recursion_keeps_values_and_gradients(spec, monkeypatch, rng_seed):
-    """The float64 recursion the dual form hands over to when its margin runs out, forced at every write from the
-    second on: values and gradients still equal the recurrent reference (float64)."""
+def test_hand_over_to_the_recursion_keeps_values_and_gradients(spec, chunk, monkeypatch, rng_seed):
+    """The float64 recursion the dual form hands over to when its margin runs out, forced at the first write (or,
+    with chunk 2, at the fourth, after a fold): values and gradients still equal the recurrent reference
+    (float64)."""
     dual = build_model(model_preset("tiny", n_blocks=3), spec).to(torch.float64)
+    dual.mixer.chunk = chunk
     with torch.no_grad():
         for mlp in dual.mixer.keys:
             mlp.fc2.bias[dual.mixer.G * dual.mixer.dk :].normal_()
     recurrent = copy.deepcopy(dual)
     recurrent.mixer.impl = "recurrent"
     calls = []
-    monkeypatch.setattr(rls, "min_margin", lambda dtype: calls.append(dtype) or 2.0)  # every margin is below 2
+    # Every margin is below 2 (and above 0); with chunk 2 the first three writes pass, the fourth hands over.
+    monkeypatch.setattr(
+        rls, "min_margin", lambda dtype: calls.append(dtype) or (2.0 if len(calls) > 3 * chunk // 2 else 0.0)
+    )
     idx, targets = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
     losses = []
     for model in (dual, recurrent):
@@ -148,4 +158,5 @@ def test_default_model_stays_on_the_dual_form(rng_seed):
         state = model.mixer.init_state(e)
         for layer in range(model.n_layers):
             state = model.mixer.write(state, layer, torch.randn_like(e))
-    assert state.exact is None and len(state.keys) == model.n_layers
+    folded = state.carried.memory.folds * model.mixer.chunk if state.carried is not None else 0
+    assert state.exact is None and len(state.keys) + folded == model.n_layers

@@ -134,34 +134,47 @@ def _stacked(keys, values) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class CarriedMemory:
-    """``M = Σ v_i k_iᵀ`` over the folded writes of one forward pass, (B, v, k), shared by its folds and reads.
+    """``M = Σ v_i k_iᵀ`` over the folded writes of one forward pass, (B, v, k), shared by its folds and reads;
+    with ``gram`` also the keys' ``S = Σ k_i k_iᵀ`` (B, k, k), which LDM-RLS's whitening reads (``variants/rls.py``).
 
-    In forward ``M`` grows in place, one fold per chunk. In backward it holds the memory as of fold ``phase`` (the
-    latest fold whose writes it includes), which each fold's backward lowers by one, and ``grad`` the gradient of
-    the memory summed over every read after the fold being differentiated. ``pending`` keeps, per phase, the
-    ``(∂m, q)`` pairs of the reads that saw the memory of that phase, for one batched product instead of one
-    (B, v, k) update per read.
+    In forward the memories grow in place, one fold per chunk. In backward they hold their value as of fold
+    ``phase`` (the latest fold whose writes they include), which each fold's backward lowers by one, and ``grad``
+    the gradient of each summed over every use after the fold being differentiated. ``pending`` keeps, per phase
+    and memory, the pairs ``(a, b)`` whose outer products ``a bᵀ`` the uses of that phase owe the gradient (a read's
+    ``(∂m, q)``), for one batched product instead of one (B, v, k) update per use.
     """
 
-    __slots__ = ("M", "shape", "folds", "phase", "chunks", "pending", "grad", "__weakref__")
+    __slots__ = ("M", "S", "gram", "shape", "folds", "phase", "chunks", "pending", "grad", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, gram: bool = False):
         self.M: torch.Tensor | None = None
+        self.S: torch.Tensor | None = None
+        self.gram = gram
         self.shape: tuple[int, ...] = ()  # (b, t, g): the leading axes B flattens
         self.folds = 0
         self.phase = -1
         self.chunks: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
-        self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.grad: torch.Tensor | None = None
+        self.pending: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.grad: dict[str, torch.Tensor] = {}
+
+    def _add(self, K: torch.Tensor, V: torch.Tensor, alpha: float = 1.0) -> None:
+        # In place, and written as baddbmm(out=) so that FLOP counters see the forward's folds.
+        torch.baddbmm(self.M, V, K, alpha=alpha, out=self.M)
+        if self.gram:
+            torch.baddbmm(self.S, K.mT, K, alpha=alpha, out=self.S)
+
+    def _build(self, K: torch.Tensor, V: torch.Tensor) -> None:
+        self.M = torch.bmm(V, K)
+        self.S = torch.bmm(K.mT, K) if self.gram else None
 
     def fold(self, keys, values) -> int:
-        """Add a chunk's writes to ``M``; its phase number."""
+        """Add a chunk's writes to the memories; its phase number."""
         K, V = _stacked(keys, values)
         if self.M is None:
             self.shape = keys[0].shape[:-1]
-            self.M = torch.bmm(V, K)
+            self._build(K, V)
         else:
-            torch.baddbmm(self.M, V, K, out=self.M)  # in place, written so that FLOP counters see it
+            self._add(K, V)
         # Detached (the same storage): the graph holds this object through its nodes' contexts, and a tensor that
         # held its graph in turn would make a reference cycle that outlives the step.
         self.chunks.append((tuple(k.detach() for k in keys), tuple(v.detach() for v in values)))
@@ -169,33 +182,37 @@ class CarriedMemory:
         self.folds += 1
         return self.phase
 
-    def at(self, phase: int) -> torch.Tensor:
-        """``M`` as the reads of ``phase`` saw it. Backward starts at the last phase; a second backward through a
-        retained graph finds ``M`` lowered by the first and adds every chunk again, in the forward's order."""
+    def at(self, phase: int) -> None:
+        """Bring the memories to where the uses of ``phase`` saw them. Backward starts at the last phase; a second
+        backward through a retained graph finds them lowered by the first and adds every chunk again, in the
+        forward's order."""
         if self.phase != phase:
             if phase != self.folds - 1:
                 raise RuntimeError(f"carried memory asked for phase {phase} while at {self.phase}")
-            self.M = None
-            for keys, values in self.chunks:
+            for i, (keys, values) in enumerate(self.chunks):
                 K, V = _stacked(keys, values)
-                self.M = torch.bmm(V, K) if self.M is None else self.M.baddbmm_(V, K)
+                self._build(K, V) if i == 0 else self._add(K, V)
             self.phase = phase
-        return self.M
 
-    def gradient(self, phase: int) -> torch.Tensor:
-        """``∂L/∂M`` after fold ``phase``: what its reads owe (``Σ ∂m qᵀ``) plus what later folds handed on."""
-        later = self.grad if phase < self.folds - 1 else None
-        self.grad = None
-        owed = self.pending.pop(phase, [])
+    def owe(self, phase: int, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """A use of memory ``name`` at ``phase`` adds ``a bᵀ`` to its gradient: ``a`` (B, r), ``b`` (B, c)."""
+        # Detached, as in ``fold``.
+        self.pending.setdefault((phase, name), []).append((a.detach(), b.detach()))
+
+    def gradient(self, phase: int, name: str) -> torch.Tensor:
+        """``∂L/∂`` memory ``name`` after fold ``phase``: what its uses owe plus what later folds handed on."""
+        later = self.grad.pop(name, None) if phase < self.folds - 1 else None
+        owed = self.pending.pop((phase, name), [])
         if owed:
-            dm = torch.stack([g for g, _ in owed], -1)  # (B, v, r)
-            q = torch.stack([q for _, q in owed], -2)  # (B, r, k)
-            return torch.bmm(dm, q) if later is None else later.baddbmm_(dm, q)
-        return later if later is not None else torch.zeros_like(self.M)
+            a = torch.stack([a for a, _ in owed], -1)  # (B, r, uses)
+            b = torch.stack([b for _, b in owed], -2)  # (B, uses, c)
+            return torch.bmm(a, b) if later is None else later.baddbmm_(a, b)
+        return later if later is not None else torch.zeros_like(getattr(self, name))
 
 
 class Fold(torch.autograd.Function):
-    """``M ← M + Σ_{i in the chunk} v_i k_iᵀ``. ``apply(memory, token, *keys, *values)`` -> the new token.
+    """``M ← M + Σ_{i in the chunk} v_i k_iᵀ`` (and ``S ← S + Σ k_i k_iᵀ``). ``apply(memory, token, *keys,
+    *values)`` -> the new token.
 
     ``token`` (the previous fold's, or None for the first) and the returned empty tensor carry no values; they
     are the edges that order the folds' and reads' backward passes (module docstring)."""
@@ -215,15 +232,21 @@ class Fold(torch.autograd.Function):
         writes = ctx.saved_tensors
         n = len(writes) // 2
         memory.at(phase)
-        G = memory.gradient(phase)  # (B, v, k)
         K, V = _stacked(writes[:n], writes[n:])
-        dK = torch.bmm(V.mT, G).unflatten(0, memory.shape)  # Gᵀ v_i, (b, t, g, n, k)
-        dV = torch.bmm(G, K.mT).unflatten(0, memory.shape)  # G k_i, (b, t, g, v, n)
-        # The memory before this fold, for the reads between the previous fold and this one; this fold's M is
-        # the previous one's plus its writes, so the gradient passes on unchanged.
-        memory.M.baddbmm_(V, K, alpha=-1.0)
+        G = memory.gradient(phase, "M")  # (B, v, k)
+        dK = torch.bmm(V.mT, G)  # Gᵀ v_i, (B, n, k)
+        dV = torch.bmm(G, K.mT)  # G k_i, (B, v, n)
+        grads = {"M": G}
+        if memory.gram:
+            GS = memory.gradient(phase, "S")  # (B, k, k)
+            dK.baddbmm_(K, GS + GS.mT)  # (G_S + G_Sᵀ) k_i
+            grads["S"] = GS
+        # The memories before this fold, for the uses between the previous fold and this one; this fold's are the
+        # previous ones plus its writes, so the gradients pass on unchanged.
+        memory._add(K, V, alpha=-1.0)
         memory.phase = phase - 1
-        memory.grad = G if phase > 0 else None
+        memory.grad = grads if phase > 0 else {}
+        dK, dV = dK.unflatten(0, memory.shape), dV.unflatten(0, memory.shape)  # (b, t, g, n, k), (b, t, g, v, n)
         return None, None, *dK.unbind(-2), *dV.unbind(-1)
 
 
@@ -245,10 +268,10 @@ class CarriedRead(torch.autograd.Function):
     def backward(ctx, dm):
         q, *rest = ctx.saved_tensors
         n = len(rest) // 2
-        M = ctx.memory.at(ctx.phase)
+        memory = ctx.memory
+        memory.at(ctx.phase)
         dm_flat = dm.reshape(-1, dm.shape[-1])
-        dq = torch.bmm(M.mT, dm_flat.unsqueeze(-1)).view_as(q)  # Mᵀ ∂m
-        owed = (dm_flat.detach(), q.detach().reshape(-1, q.shape[-1]))  # detached, as in ``CarriedMemory.fold``
-        ctx.memory.pending.setdefault(ctx.phase, []).append(owed)
+        dq = torch.bmm(memory.M.mT, dm_flat.unsqueeze(-1)).view_as(q)  # Mᵀ ∂m
+        memory.owe(ctx.phase, "M", dm_flat, q.reshape(-1, q.shape[-1]))
         dq, dkeys, dvalues = _read_writes_backward(dm, q, rest[:n], rest[n:], ctx.grads, dq)
         return dq, None, None, None, *dkeys, *dvalues

@@ -87,10 +87,15 @@ class DualState(NamedTuple):
     carried: Carried | None = None
 
     @property
+    def _dtype(self) -> torch.dtype:
+        """The precision the memory is kept in: float32, or the residual's if wider."""
+        return torch.promote_types(self.x.dtype, torch.float32)
+
+    @property
     def M(self) -> torch.Tensor | None:
         """``Σ_i ṽ_i k̃_iᵀ`` (b, t, g, v, k), or None before the first write."""
         if self.exact is not None:
-            return self.exact[0].to(self.keys[0].dtype)
+            return self.exact[0].to(self._dtype)
         parts = [v.unsqueeze(-1) * k.unsqueeze(-2) for k, v in zip(self.keys, self.values)]
         if self.carried is not None:
             memory = self.carried.memory
@@ -100,14 +105,17 @@ class DualState(NamedTuple):
     @property
     def P(self) -> torch.Tensor | None:
         """RLS: ``(α / Π λ)(I − Σ_i k̃_i k̃_iᵀ)`` (b, t, g, k, k) by Woodbury; None before the first write."""
-        if self.alpha is None or not self.keys:
+        if self.alpha is None or not (self.keys or self.carried is not None):
             return None
         if self.exact is not None:
-            return self.exact[1].to(self.keys[0].dtype)
-        eye = torch.eye(self.keys[0].shape[-1], dtype=self.keys[0].dtype, device=self.keys[0].device)
-        # Each outer product is exactly symmetric, so their sum is too.
-        gram = sum(k.unsqueeze(-1) * k.unsqueeze(-2) for k in self.keys)
-        return (self.alpha / self.decay)[:, None, None] * (eye - gram)
+            return self.exact[1].to(self._dtype)
+        parts = [k.unsqueeze(-1) * k.unsqueeze(-2) for k in self.keys]  # each exactly symmetric
+        if self.carried is not None:
+            memory = self.carried.memory
+            S = memory.S.detach().unflatten(0, memory.shape)
+            parts.insert(0, (S + S.mT) / 2)  # a batched product's sum, symmetric up to its rounding
+        eye = torch.eye(parts[0].shape[-1], dtype=parts[0].dtype, device=parts[0].device)
+        return (self.alpha / self.decay)[:, None, None] * (eye - sum(parts))
 
 
 class SmallMLP(nn.Module):
@@ -253,7 +261,7 @@ class LDM(DepthMixer):
         self.impl: Literal["dual", "recurrent"] = "dual"
         # Dual form, outer-product write: fold every `chunk` writes into a carried memory (0: never), where that
         # is cheaper than reading the writes one by one (``default_chunk``).
-        self.chunk = 0 if self.rls else default_chunk(n_layers + (cfg.read == "memory"), self.dk)
+        self.chunk = default_chunk(n_layers + (cfg.read == "memory"), self.dk)
         if not self.uses_memory:
             return  # read=residual is PreLN: no memory, no parameters, nothing to compute.
 
@@ -333,14 +341,13 @@ class LDM(DepthMixer):
                 raw = state.raw + ((k, v, lam, omega),)
                 if state.exact is not None:  # already handed over: one more step of the recursion
                     exact = rls.rls_write(*state.exact, k.double(), v.double(), lam.double(), omega.double())
-                    return state.keys, state.values, decay, state.grads, raw, exact, None
-                k, v, margin = rls.whiten(
-                    k, v, rls.ridge_diagonal(decay, omega, self.cfg.alpha), state.keys, state.values, state.grads
-                )
+                    return state.keys, state.values, decay, state.grads, raw, exact, state.carried
+                ridge = rls.ridge_diagonal(decay, omega, self.cfg.alpha)
+                k, v, margin = rls.whiten(k, v, ridge, state.keys, state.values, state.grads, state.carried)
                 if margin < rls.min_margin(k.dtype):
                     # This write's δ² cancelled below the precision: the exact recursion from here on.
                     exact = rls.replay(raw, self.cfg.alpha)
-                    return state.keys, state.values, decay, state.grads, raw, exact, None
+                    return state.keys, state.values, decay, state.grads, raw, exact, state.carried
             grad = None
             if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
                 grad = WriteGradient()
@@ -348,7 +355,7 @@ class LDM(DepthMixer):
             keys, values, grads, carried = state.keys + (k,), state.values + (v,), state.grads + (grad,), state.carried
             # The compiled graph cannot follow the carried memory's buffer, so a compiled model reads every write.
             if len(keys) == self.chunk and not torch.compiler.is_compiling():
-                memory = carried.memory if carried is not None else CarriedMemory()
+                memory = carried.memory if carried is not None else CarriedMemory(gram=self.rls)
                 token = Fold.apply(memory, carried.token if carried is not None else None, *keys, *values)
                 keys, values, grads, carried = (), (), (), Carried(memory, token)
             return keys, values, decay, grads, raw, exact, carried

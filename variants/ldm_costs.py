@@ -46,7 +46,7 @@ def flops_per_token(mixer) -> tuple[int, int]:
         nonlocal mm, other
         mm, other = (mm + 2 * G * dk, other + G * dk + G) if dual else (mm, other + 3 * G * dk + G)
 
-    chunk = mixer.chunk if dual and not mixer.rls else 0
+    chunk = mixer.chunk if dual else 0
 
     def read(n: int, reader: int) -> bool:
         """Reader ``reader`` over ``n`` writes; True when its pass also computed the key of its layer's write."""
@@ -72,14 +72,20 @@ def flops_per_token(mixer) -> tuple[int, int]:
         if not key_done:
             mlps(key_out)
         unit()
+        if chunk and (n + 1) % chunk == 0:
+            mm += 2 * d * dk * chunk  # the fold: M + Σ v kᵀ over the chunk
+            mm += 2 * G * dk * dk * chunk if mixer.rls else 0  # and the keys' Gram S + Σ k kᵀ
         if not mixer.rls:
-            if chunk and (n + 1) % chunk == 0:
-                mm += 2 * d * dk * chunk  # the fold: M + Σ v kᵀ over the chunk
             other += 0 if dual else (2 * d * dk if n else d * dk)  # M + v kᵀ
             return
         other += 6 * G  # λ, ω and the ridge entry d_n = Πλ / (α ω)
         if dual:
-            # Gram–Schmidt against the earlier whitened writes: l_j = k̃_jᵀ k, then k, v and δ² updated per j.
+            folded = n - n % chunk if chunk else 0
+            if folded:  # the folded writes at once: S k, M k, kᵀ S k, and the three subtractions
+                mm += 2 * G * dk * dk + 2 * d * dk + 2 * G * dk
+                other += G * dk + d + G
+            n -= folded
+            # Gram–Schmidt against the other earlier whitened writes: l_j = k̃_jᵀ k, then k, v and δ² updated per j.
             mm += (n + 1) * 2 * G * dk
             other += n * (2 * G * dk + 2 * d + 2 * G) + 3 * G + G * dk + d
             return

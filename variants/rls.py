@@ -181,6 +181,78 @@ class _Whiten(torch.autograd.Function):
         return dk, dvr, dridge, None, *dkeys, *dvalues
 
 
+class _CarriedWhiten(torch.autograd.Function):
+    """``_Whiten`` after writes folded into a carried memory (``variants/depth_read.py``, with the keys' Gram
+    ``S``): over the folded writes ``Σ l_j k̃_j = S k``, ``Σ l_j ṽ_j = M k`` and ``Σ l_j² = kᵀ S k``, so they cost
+    three batched products whatever their number; the writes since the latest fold are projected out one by one
+    as in ``_Whiten``. ``apply(k, v, ridge, memory, token, grads, *keys, *values)``; ``token`` orders the backward
+    passes as for a read. ``S`` is symmetric (a sum of ``k̃ k̃ᵀ``), so ``∂(kᵀ S k)/∂k = 2 S k``."""
+
+    @staticmethod
+    def forward(ctx, k, v, ridge, memory, token, grads, *writes):
+        n = len(writes) // 2
+        r = ridge.unsqueeze(-1)
+        total = _bdot(k, k) + r
+        column = k.reshape(-1, k.shape[-1], 1)
+        Sk = torch.bmm(memory.S, column).view_as(k)
+        k_rest = k - Sk
+        v_rest = v - torch.bmm(memory.M, column).view_as(v)
+        sq = total - _bdot(k, Sk)
+        coeffs = [_bdot(kj, k) for kj in writes[:n]]
+        for c, kj, vj in zip(coeffs, writes[:n], writes[n:]):
+            k_rest.addcmul_(c, kj, value=-1.0)
+            v_rest.addcmul_(c, vj, value=-1.0)
+            sq.addcmul_(c, c, value=-1.0)
+        floored = sq < r  # as in _Whiten: δ² is never below d_n in exact arithmetic
+        sq = torch.maximum(sq, r)
+        margin = (sq / total).min()
+        delta = sq.sqrt_()
+        kt, vt = k_rest.div_(delta), v_rest.div_(delta)
+        ctx.memory, ctx.phase, ctx.grads = memory, memory.phase, grads
+        ctx.save_for_backward(k, kt, vt, delta, floored, Sk, *coeffs, *writes)
+        ctx.mark_non_differentiable(margin)
+        return kt, vt, margin
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dkt, dvt, _):
+        k, kt, vt, delta, floored, Sk, *rest = ctx.saved_tensors
+        n = len(rest) // 3
+        coeffs, keys, values = rest[:n], rest[n : 2 * n], rest[2 * n :]
+        memory, phase = ctx.memory, ctx.phase
+        memory.at(phase)
+        if dkt is None:
+            dkt = torch.zeros_like(kt)
+        if dvt is None:
+            dvt = torch.zeros_like(vt)
+        dkr, dvr = dkt / delta, dvt / delta
+        dsq = (_bdot(dkt, kt) + _bdot(dvt, vt)).div_(delta.square()).mul_(-0.5)
+        dridge = dsq.squeeze(-1)
+        dsq = dsq.masked_fill(floored, 0.0)
+        # k_rest = k − S k − Σ l_j k̃_j, v_rest = v − M k − Σ l_j ṽ_j, δ² = |k|² + d_n − kᵀ S k − Σ l_j².
+        dk = torch.addcmul(dkr, k - Sk, dsq, value=2.0)
+        B = k.numel() // k.shape[-1]
+        flat = {"k": k.reshape(B, -1), "dkr": dkr.reshape(B, -1, 1), "dvr": dvr.reshape(B, -1, 1)}
+        dk -= torch.bmm(memory.S.mT, flat["dkr"]).view_as(k)
+        dk -= torch.bmm(memory.M.mT, flat["dvr"]).view_as(k)
+        memory.owe(phase, "S", torch.addcmul(dkr, k, dsq).neg_().reshape(B, -1), flat["k"])
+        memory.owe(phase, "M", dvr.neg().reshape(B, -1), flat["k"])
+        dkeys, dvalues = [], []
+        for c, kj, vj, grad in zip(coeffs, keys, values, ctx.grads):
+            dc = (_bdot(dkr, kj) + _bdot(dvr, vj)).add_(c * dsq, alpha=2.0).neg_()
+            dk.addcmul_(dc, kj)
+            if grad is None:
+                dkeys.append(torch.addcmul(dc * k, c, dkr, value=-1.0))
+                dvalues.append(-c * dvr)
+            else:
+                grad.add("key", dc, k)
+                grad.add("key", -c, dkr)
+                grad.add("value", -c, dvr)
+                dkeys.append(None)
+                dvalues.append(None)
+        return dk, dvr, dridge, None, None, None, *dkeys, *dvalues
+
+
 def whiten(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -188,6 +260,7 @@ def whiten(
     keys: tuple[torch.Tensor, ...],
     values: tuple[torch.Tensor, ...],
     grads: tuple | None = None,
+    carried=None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The whitened write ``(k̃_n, ṽ_n)``: ``(k, v)`` with the earlier whitened writes projected out, over ``δ``; and
     the margin ``min δ² / (|k|² + d_n)`` over every leading index and group (a float; 1 for the first write).
@@ -197,10 +270,15 @@ def whiten(
     per earlier write (see ``_Whiten``). The coefficients ``l_j = k̃_jᵀ k`` are the new row of ``L`` and
     ``δ² = |k|² + d_n − |l|²`` its diagonal entry. The margin is how much of ``|k|² + d_n`` survives that
     subtraction: rounding errors in ``δ²`` are relative to ``|k|² + d_n``, so a margin near the precision's epsilon
-    means ``δ`` (and every later read) has lost its digits.
+    means ``δ`` (and every later read) has lost its digits. With ``carried`` (the ``(memory, token)`` of chunked
+    reads, ``variants/depth_read.py``) the earlier writes are the folded ones in its memory and ``keys``.
     """
     if grads is None:
         grads = (None,) * len(keys)
+    if carried is not None:
+        memory, token = carried
+        kt, vt, margin = _CarriedWhiten.apply(k, v, ridge, memory, token, grads, *keys, *values)
+        return kt, vt, float(margin)
     kt, vt, margin = _Whiten.apply(k, v, ridge, grads, *keys, *values)
     return kt, vt, float(margin)
 
