@@ -158,15 +158,16 @@ def _shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tens
     return [F.linear(h, m.fc2.weight.to(dt), m.fc2.bias.to(dt)) for h, m in zip(hidden, mlps)]
 
 
-CHUNK = 6
-"""Writes per chunk of the chunked depth read: each fold costs about as much as one read of the carried memory."""
+CHUNK = 4
+"""Writes per chunk of the chunked depth read (4 and 6 measured alike at 48 layers, 4 ahead at 32)."""
 
 
 def default_chunk(n_writes: int, key_dim: int) -> int:
     """How many writes the dual read folds into a carried memory at a time, 0 for never: only where the writes
     outnumber what the carried memory costs to read (``M`` holds ``d · d_k`` floats per token, ``d_k / 2`` writes'
-    worth) by enough to pay for the folds; measured in docs/ldm-performance.md."""
-    return CHUNK if n_writes >= 2 * (key_dim // 2 + CHUNK) else 0
+    worth) by enough to pay for the folds: from 28 writes at ``d_k = 16``, where it was measured to gain
+    (docs/ldm-performance.md), and beyond GPT-2 small's 25 at its ``d_k = 48``."""
+    return CHUNK if n_writes >= 2 * (key_dim // 2 + CHUNK) + CHUNK else 0
 
 
 @register("ldm")
