@@ -57,9 +57,13 @@ def _loss(model, idx, targets):
     return F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
 
 
+@pytest.mark.parametrize("chunk", [0, 1, 2, 3], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("spec", DUAL_SPECS)
-def test_dual_equals_recurrent_values_and_gradients(spec, rng_seed):
-    dual, recurrent = _pair(spec)
+def test_dual_equals_recurrent_values_and_gradients(spec, chunk, rng_seed):
+    """Over every write (chunk 0) and chunkwise: every fold, every read of a carried memory (for RLS every
+    whitening against it) and every downdate in backward, against the recursion."""
+    dual, recurrent = _pair(spec, n_blocks=3)  # 6 layers (7 writes with read=memory): folds at every chunk size
+    dual.mixer.chunk = chunk
     idx, targets = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
     with torch.no_grad():
         torch.testing.assert_close(dual(idx), recurrent(idx), rtol=1e-10, atol=1e-12)
@@ -72,9 +76,11 @@ def test_dual_equals_recurrent_values_and_gradients(spec, rng_seed):
         torch.testing.assert_close(p.grad, expected, rtol=1e-8, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("chunk", [0, 3], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("spec", ["ldm(groups=4)", "ldm-rls(groups=4)", "ldm-rls(read=memory,groups=2,alpha=0.5)"])
-def test_dual_state_holds_the_recurrent_memory_after_every_layer(spec, rng_seed):
-    dual, recurrent = _pair(spec, n_blocks=3)
+def test_dual_state_holds_the_recurrent_memory_after_every_layer(spec, chunk, rng_seed):
+    dual, recurrent = _pair(spec, n_blocks=4)
+    dual.mixer.chunk = chunk
     e = torch.randn(2, 5, 64, dtype=torch.float64)
     with torch.no_grad():
         s_dual, s_rec = dual.mixer.init_state(e), recurrent.mixer.init_state(e)
@@ -83,6 +89,9 @@ def test_dual_state_holds_the_recurrent_memory_after_every_layer(spec, rng_seed)
             torch.testing.assert_close(a, recurrent.mixer.read(s_rec, layer), rtol=1e-10, atol=1e-12)
             v = torch.randn_like(e)
             s_dual, s_rec = dual.mixer.write(s_dual, layer, v), recurrent.mixer.write(s_rec, layer, v)
+            if chunk:  # the writes since the latest fold, and a carried memory once one was made
+                writes = layer + 1 + dual.mixer.embed_write
+                assert len(s_dual.keys) == writes % chunk and (s_dual.carried is None) == (writes < chunk)
             torch.testing.assert_close(s_dual.M, s_rec.M, rtol=1e-10, atol=1e-12)
             if dual.mixer.rls:
                 torch.testing.assert_close(s_dual.P, s_rec.P, rtol=1e-10, atol=1e-10)
@@ -178,46 +187,6 @@ def test_dual_state_stays_float32_under_bf16_and_float64_in_float64(spec, rng_se
 
 
 # -- the chunked read: writes folded into a carried memory every `chunk` writes ----------------------------------
-CHUNKED_SPECS = DUAL_SPECS
-
-
-@pytest.mark.parametrize("chunk", [1, 2, 3])
-@pytest.mark.parametrize("spec", CHUNKED_SPECS)
-def test_chunked_read_equals_recurrent_values_and_gradients(spec, chunk, rng_seed):
-    """Every fold, every read of a carried memory (and for RLS every whitening against it) and every downdate in
-    backward, against the recursion."""
-    dual, recurrent = _pair(spec, n_blocks=3)  # 6 layers (7 writes with read=memory): folds at every chunk size
-    dual.mixer.chunk = chunk
-    idx, targets = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
-    with torch.no_grad():
-        torch.testing.assert_close(dual(idx), recurrent(idx), rtol=1e-10, atol=1e-12)
-    _loss(dual, idx, targets).backward()
-    _loss(recurrent, idx, targets).backward()
-    grads = dict(recurrent.named_parameters())
-    for name, p in dual.named_parameters():
-        expected = grads[name].grad
-        assert expected is not None and expected.abs().sum() > 0, name
-        torch.testing.assert_close(p.grad, expected, rtol=1e-8, atol=1e-12, msg=name)
-
-
-@pytest.mark.parametrize("spec", ["ldm(groups=4)", "ldm-rls(groups=4)"])
-def test_chunked_state_holds_the_recurrent_memory_after_every_layer(spec, rng_seed):
-    dual, recurrent = _pair(spec, n_blocks=4)
-    dual.mixer.chunk = 3
-    e = torch.randn(2, 5, 64, dtype=torch.float64)
-    with torch.no_grad():
-        s_dual, s_rec = dual.mixer.init_state(e), recurrent.mixer.init_state(e)
-        for layer in range(dual.n_layers):
-            a = dual.mixer.read(s_dual, layer)
-            torch.testing.assert_close(a, recurrent.mixer.read(s_rec, layer), rtol=1e-10, atol=1e-12)
-            v = torch.randn_like(e)
-            s_dual, s_rec = dual.mixer.write(s_dual, layer, v), recurrent.mixer.write(s_rec, layer, v)
-            assert len(s_dual.keys) == (layer + 1) % 3 and (s_dual.carried is None) == (layer < 2)
-            torch.testing.assert_close(s_dual.M, s_rec.M, rtol=1e-10, atol=1e-12)
-            if dual.mixer.rls:
-                torch.testing.assert_close(s_dual.P, s_rec.P, rtol=1e-10, atol=1e-10)
-
-
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls(groups=4)"])
 def test_chunked_read_survives_a_second_backward_and_frees_its_memory(spec, rng_seed):
     """A second backward through the retained graph rebuilds the carried memory the first one lowered, so two

@@ -119,6 +119,41 @@ def ridge_diagonal(decay: torch.Tensor, omega: torch.Tensor, alpha: float) -> to
     return decay / (alpha * omega)
 
 
+def _normalization_backward(dkt, dvt, kt, vt, delta, floored):
+    """Through ``k̃ = k_rest / δ``, ``ṽ = v_rest / δ`` and ``δ = √(δ²)`` (floored at ``d_n``): the gradients of
+    ``k_rest``, ``v_rest``, ``δ²`` and of the ridge entry ``d_n``."""
+    if dkt is None:
+        dkt = torch.zeros_like(kt)
+    if dvt is None:
+        dvt = torch.zeros_like(vt)
+    dkr, dvr = dkt / delta, dvt / delta
+    # δ = √(δ²): d(δ²) = dδ / 2δ, and dδ = −(dk̃·k̃ + dṽ·ṽ) / δ.
+    dsq = (_bdot(dkt, kt) + _bdot(dvt, vt)).div_(delta.square()).mul_(-0.5)
+    dridge = dsq.squeeze(-1)  # d_n enters δ² (or is δ² where floored) with weight 1
+    dsq = dsq.masked_fill(floored, 0.0)  # where floored, δ² does not depend on k or the l_j
+    return dkr, dvr, dsq, dridge
+
+
+def _projections_backward(dk, dkr, dvr, dsq, k, coeffs, keys, values, grads):
+    """Through ``k_rest −= l_j k̃_j``, ``v_rest −= l_j ṽ_j``, ``δ² −= l_j²`` with ``l_j = k̃_jᵀ k``, one earlier
+    write at a time: adds into ``dk`` and returns the writes' gradients, or adds them into their collectors
+    (``grads``, None in the lists then)."""
+    dkeys, dvalues = [], []
+    for c, kj, vj, grad in zip(coeffs, keys, values, grads):
+        dc = (_bdot(dkr, kj) + _bdot(dvr, vj)).add_(c * dsq, alpha=2.0).neg_()
+        dk.addcmul_(dc, kj)
+        if grad is None:
+            dkeys.append(torch.addcmul(dc * k, c, dkr, value=-1.0))
+            dvalues.append(-c * dvr)
+        else:
+            grad.add("key", dc, k)
+            grad.add("key", -c, dkr)
+            grad.add("value", -c, dvr)
+            dkeys.append(None)
+            dvalues.append(None)
+    return dkeys, dvalues
+
+
 class _Whiten(torch.autograd.Function):
     """One Gram–Schmidt step of the dual form with its backward written out (autograd's took most of ldm-rls's
     extra time: a fresh gradient tensor per earlier write and operation). ``apply(k, v, ridge, grads, *keys,
@@ -154,30 +189,9 @@ class _Whiten(torch.autograd.Function):
         k, kt, vt, delta, floored, *rest = ctx.saved_tensors
         n = len(rest) // 3
         coeffs, keys, values = rest[:n], rest[n : 2 * n], rest[2 * n :]
-        if dkt is None:
-            dkt = torch.zeros_like(kt)
-        if dvt is None:
-            dvt = torch.zeros_like(vt)
-        dkr, dvr = dkt / delta, dvt / delta  # through k_rest / δ and v_rest / δ
-        # δ = √(δ²): d(δ²) = dδ / 2δ, and dδ = −(dk̃·k̃ + dṽ·ṽ) / δ.
-        dsq = (_bdot(dkt, kt) + _bdot(dvt, vt)).div_(delta.square()).mul_(-0.5)
-        dridge = dsq.squeeze(-1)  # d_n enters δ² (or is δ² where floored) with weight 1
-        dsq = dsq.masked_fill(floored, 0.0)  # where floored, δ² does not depend on k or the l_j
+        dkr, dvr, dsq, dridge = _normalization_backward(dkt, dvt, kt, vt, delta, floored)
         dk = torch.addcmul(dkr, k, dsq, value=2.0)
-        dkeys, dvalues = [], []
-        for c, kj, vj, grad in zip(coeffs, keys, values, ctx.grads):
-            # k_rest −= l_j k̃_j, v_rest −= l_j ṽ_j, δ² −= l_j², with l_j = k̃_jᵀ k
-            dc = (_bdot(dkr, kj) + _bdot(dvr, vj)).add_(c * dsq, alpha=2.0).neg_()
-            dk.addcmul_(dc, kj)
-            if grad is None:
-                dkeys.append(torch.addcmul(dc * k, c, dkr, value=-1.0))
-                dvalues.append(-c * dvr)
-            else:
-                grad.add("key", dc, k)
-                grad.add("key", -c, dkr)
-                grad.add("value", -c, dvr)
-                dkeys.append(None)
-                dvalues.append(None)
+        dkeys, dvalues = _projections_backward(dk, dkr, dvr, dsq, k, coeffs, keys, values, ctx.grads)
         return dk, dvr, dridge, None, *dkeys, *dvalues
 
 
@@ -221,14 +235,7 @@ class _CarriedWhiten(torch.autograd.Function):
         coeffs, keys, values = rest[:n], rest[n : 2 * n], rest[2 * n :]
         memory, phase = ctx.memory, ctx.phase
         memory.at(phase)
-        if dkt is None:
-            dkt = torch.zeros_like(kt)
-        if dvt is None:
-            dvt = torch.zeros_like(vt)
-        dkr, dvr = dkt / delta, dvt / delta
-        dsq = (_bdot(dkt, kt) + _bdot(dvt, vt)).div_(delta.square()).mul_(-0.5)
-        dridge = dsq.squeeze(-1)
-        dsq = dsq.masked_fill(floored, 0.0)
+        dkr, dvr, dsq, dridge = _normalization_backward(dkt, dvt, kt, vt, delta, floored)
         # k_rest = k − S k − Σ l_j k̃_j, v_rest = v − M k − Σ l_j ṽ_j, δ² = |k|² + d_n − kᵀ S k − Σ l_j².
         dk = torch.addcmul(dkr, k - Sk, dsq, value=2.0)
         B = k.numel() // k.shape[-1]
@@ -237,19 +244,7 @@ class _CarriedWhiten(torch.autograd.Function):
         dk -= torch.bmm(memory.M.mT, flat["dvr"]).view_as(k)
         memory.owe(phase, "S", torch.addcmul(dkr, k, dsq).neg_().reshape(B, -1), flat["k"])
         memory.owe(phase, "M", dvr.neg().reshape(B, -1), flat["k"])
-        dkeys, dvalues = [], []
-        for c, kj, vj, grad in zip(coeffs, keys, values, ctx.grads):
-            dc = (_bdot(dkr, kj) + _bdot(dvr, vj)).add_(c * dsq, alpha=2.0).neg_()
-            dk.addcmul_(dc, kj)
-            if grad is None:
-                dkeys.append(torch.addcmul(dc * k, c, dkr, value=-1.0))
-                dvalues.append(-c * dvr)
-            else:
-                grad.add("key", dc, k)
-                grad.add("key", -c, dkr)
-                grad.add("value", -c, dvr)
-                dkeys.append(None)
-                dvalues.append(None)
+        dkeys, dvalues = _projections_backward(dk, dkr, dvr, dsq, k, coeffs, keys, values, ctx.grads)
         return dk, dvr, dridge, None, None, None, *dkeys, *dvalues
 
 
