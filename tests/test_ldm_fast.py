@@ -57,12 +57,13 @@ def _loss(model, idx, targets):
     return F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
 
 
-@pytest.mark.parametrize("chunk", [0, 1, 2, 3], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("chunk", [0, 1, 3], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("spec", DUAL_SPECS)
 def test_dual_equals_recurrent_values_and_gradients(spec, chunk, rng_seed):
     """Over every write (chunk 0) and chunkwise: every fold, every read of a carried memory (for RLS every
-    whitening against it) and every downdate in backward, against the recursion."""
-    dual, recurrent = _pair(spec, n_blocks=3)  # 6 layers (7 writes with read=memory): folds at every chunk size
+    whitening against it) and every downdate in backward, against the recursion. With chunk 1 no write stays
+    open; with chunk 3 over 6 layers (7 writes with read=memory) folds and open writes alternate."""
+    dual, recurrent = _pair(spec, n_blocks=3 if chunk else 2)
     dual.mixer.chunk = chunk
     idx, targets = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
     with torch.no_grad():
