@@ -191,7 +191,10 @@ class CarriedMemory:
                 raise RuntimeError(f"carried memory asked for phase {phase} while at {self.phase}")
             for i, (keys, values) in enumerate(self.chunks):
                 K, V = _stacked(keys, values)
-                self._build(K, V) if i == 0 else self._add(K, V)
+                if i == 0:
+                    self._build(K, V)
+                else:
+                    self._add(K, V)
             self.phase = phase
 
     def owe(self, phase: int, name: str, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -238,12 +238,12 @@ class _CarriedWhiten(torch.autograd.Function):
         dkr, dvr, dsq, dridge = _normalization_backward(dkt, dvt, kt, vt, delta, floored)
         # k_rest = k − S k − Σ l_j k̃_j, v_rest = v − M k − Σ l_j ṽ_j, δ² = |k|² + d_n − kᵀ S k − Σ l_j².
         dk = torch.addcmul(dkr, k - Sk, dsq, value=2.0)
-        B = k.numel() // k.shape[-1]
-        flat = {"k": k.reshape(B, -1), "dkr": dkr.reshape(B, -1, 1), "dvr": dvr.reshape(B, -1, 1)}
-        dk -= torch.bmm(memory.S.mT, flat["dkr"]).view_as(k)
-        dk -= torch.bmm(memory.M.mT, flat["dvr"]).view_as(k)
-        memory.owe(phase, "S", torch.addcmul(dkr, k, dsq).neg_().reshape(B, -1), flat["k"])
-        memory.owe(phase, "M", dvr.neg().reshape(B, -1), flat["k"])
+        B = k.numel() // k.shape[-1]  # tokens × groups, the batch of the carried products
+        k_flat = k.reshape(B, -1)
+        dk -= torch.bmm(memory.S.mT, dkr.reshape(B, -1, 1)).view_as(k)
+        dk -= torch.bmm(memory.M.mT, dvr.reshape(B, -1, 1)).view_as(k)
+        memory.owe(phase, "S", torch.addcmul(dkr, k, dsq).neg_().reshape(B, -1), k_flat)
+        memory.owe(phase, "M", dvr.neg().reshape(B, -1), k_flat)
         dkeys, dvalues = _projections_backward(dk, dkr, dvr, dsq, k, coeffs, keys, values, ctx.grads)
         return dk, dvr, dridge, None, None, None, *dkeys, *dvalues
 

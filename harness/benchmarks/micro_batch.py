@@ -3,9 +3,11 @@
 For every variant one step (forward under the run's precision, cross-entropy, backward, AdamW) is measured at each
 micro batch, with the optimizer's state already allocated, as in every step after the first. The peak is the
 allocator's (``AllocatorPeak``: ``torch.cuda.max_memory_allocated`` on a card, the profiler's allocator totals on a
-CPU; tensors only), plus what the step holds before it starts (weights, buffers, AdamW state). Memory is linear in
-the micro batch (every activation is per sequence), so two micro batches give the fixed part and the bytes per
-sequence exactly, and more check the line.
+CPU; tensors only), plus what the step holds before it starts (weights, buffers, AdamW state). Memory grows about
+linearly with the micro batch (every activation is per sequence), so a line through two micro batches gives the
+fixed part and the bytes per sequence; with more, the line is their least-squares fit and ``peak_bytes`` shows how
+close each measurement lies to it. At tiny sizes the peak can move between backward and the optimizer step, and
+the line is rougher.
 
 A card holds more than the step's tensors: the CUDA context, the collective library's buffers, DDP's gradient
 buckets (one more copy of the gradients) and what the caching allocator keeps unused. ``fit`` therefore leaves

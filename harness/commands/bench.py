@@ -166,6 +166,13 @@ def _run_compile(args, settings) -> int:
     return 0
 
 
+def _print_settings(settings: dict) -> int:
+    """What --dry-run prints: the resolved settings, one per line."""
+    for key, value in settings.items():
+        print(f"{key}: {value}")
+    return 0
+
+
 def run_micro_batch(args) -> int:
     from pathlib import Path
 
@@ -186,13 +193,9 @@ def run_micro_batch(args) -> int:
         dtype=dtype, device=args.device, seed=args.seed,
     )  # fmt: skip
     if args.dry_run:
-        for key, value in {**settings, "cards": cards, "headroom": args.headroom}.items():
-            print(f"{key}: {value}")
-        return 0
-    from harness.benchmarks import benchmark as B
+        return _print_settings({**settings, "cards": cards, "headroom": args.headroom})
     from harness.benchmarks import micro_batch as MB
 
-    settings["variants"] = B.resolve_variants(args.variants)
     df = MB.micro_batch_memory(**settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     table = MB.fit_table(df, cards, args.headroom)
     meta = df.attrs["meta"]
@@ -231,9 +234,7 @@ def run_loop(args) -> int:
         out_dir=args.out,
     )
     if args.dry_run:
-        for key, value in settings.items():
-            print(f"{key}: {value}")
-        return 0
+        return _print_settings(settings)
     df = LB.loop_bench(**settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(
         f"harness (depthmem train) against a bare loop, steps 2..{args.steps}: harness_cost = harness time / "
@@ -284,9 +285,7 @@ def run(args) -> int:
     )
     if args.dry_run:
         settings["variants"] = B.resolve_variants(args.variants)
-        for key, value in settings.items():
-            print(f"{key}: {value}")
-        return 0
+        return _print_settings(settings)
 
     if args.compile:
         return _run_compile(args, settings)
