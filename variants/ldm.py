@@ -14,7 +14,7 @@ token. The dual form also computes a layer's query and key MLPs in one pass (the
 ``shared_input_mlps``) and lets the reads add each write's gradient in place (``WriteGradient``). ``recurrent``
 materializes ``M`` (and ``P``) at every layer exactly as the spec writes it, with each MLP on its own; it is the
 reference the tests hold the dual form to, and costs O(d · d_k) per layer whatever the depth
-(docs/ldm-performance.md). In deep models with narrow keys the dual form of the outer-product write reads
+(docs/ldm-performance.md). In deep models with narrow keys the dual form (either write) reads
 chunkwise (``LDM.chunk``, ``variants/depth_read.py``): every ``C`` writes are folded into a carried ``M``, so a read
 is ``M q`` plus the writes since the latest fold, and its cost stops growing with depth.
 
@@ -260,8 +260,8 @@ class LDM(DepthMixer):
         # "dual" (the default) carries the writes and reads them as linear attention over depth; "recurrent" is
         # the spec's recursion with M (and P) materialized at every layer, kept as the reference.
         self.impl: Literal["dual", "recurrent"] = "dual"
-        # Dual form, outer-product write: fold every `chunk` writes into a carried memory (0: never), where that
-        # is cheaper than reading the writes one by one (``default_chunk``).
+        # Dual form: fold every `chunk` writes into a carried memory (0: never), where that is cheaper than
+        # reading the writes one by one (``default_chunk``).
         self.chunk = default_chunk(n_layers + (cfg.read == "memory"), self.dk)
         if not self.uses_memory:
             return  # read=residual is PreLN: no memory, no parameters, nothing to compute.
