@@ -5,6 +5,9 @@ with the sizes of the tensors, so one block (two depth-mixing layers, plus the h
 compile to well under a minute while still running every kind of node the mixer has (its first layer, a later
 layer reading earlier writes, the head). Validation is off so only the training graph is compiled.
 ``depthmem selftest --device cpu --compile`` runs the same comparison at the tiny preset.
+
+mHC runs 3 Sinkhorn iterations instead of 20: inductor unrolls the loop (forward and backward) into kernels of
+thousands of lines whose C++ compile alone took 100 s; three iterations run the same code.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
+from torch._dynamo.utils import counters
 
 import variants
 from harness.config import build_config
@@ -37,14 +42,25 @@ def _column(run: Path, name: str) -> list[float]:
         return [float(r[name]) for r in csv.DictReader(f) if r[name]]
 
 
+SPECS = {"mhc": "mhc(sinkhorn_iters=3)"}
+# Each layer of LDM reads a different number of earlier writes, so dynamo compiles its read and write per layer.
+PER_LAYER_GRAPHS = {"ldm", "ldm-rls"}
+
+
 @pytest.mark.parametrize("variant", variants.names())
 def test_compiled_training_matches_eager(variant, tmp_path):
+    spec = SPECS.get(variant, variant)
     runs = {}
     for compiled in (False, True):
         cfg = build_config(
-            {"model": {"preset": "tiny", "n_blocks": 1}, "variant": variant, "train": {**SETTINGS, "compile": compiled}}
+            {"model": {"preset": "tiny", "n_blocks": 1}, "variant": spec, "train": {**SETTINGS, "compile": compiled}}
         )
+        torch._dynamo.reset()
+        counters.clear()
         runs[compiled] = train(cfg, tmp_path / str(compiled))
+    if variant not in PER_LAYER_GRAPHS:
+        # One graph for the whole training: nothing the first step caches, and no diagnostic pass, is compiled again.
+        assert counters["stats"]["unique_graphs"] == 1
     for name in ("train_loss", "grad_norm"):
         got, want = _column(runs[True], name), _column(runs[False], name)
         assert len(got) == len(want) > 0

@@ -45,6 +45,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).norm() / b.norm())
 
 
+def _shuffled_signs(n: int) -> torch.Tensor:
+    """n values of ±1, as many of each as n allows, in a random order."""
+    return (torch.arange(n) % 2 * 2 - 1)[torch.randperm(n)].to(torch.float64)
+
+
 def _models(layers: int, groups: int, key_dim: int, lam, alpha: float):
     """The float64 recurrent reference and its float32 dual-form copy, with ω pushed to near 0 or near 2 per
     group and write (and varying across tokens), and a learned λ to its bounds."""
@@ -53,12 +58,14 @@ def _models(layers: int, groups: int, key_dim: int, lam, alpha: float):
     ref = build_model(model_preset("tiny", n_blocks=layers // 2), spec).to(torch.float64)
     mixer = ref.mixer
     with torch.no_grad():
-        for mlp in mixer.keys:
-            w, b = mlp.fc2.weight[groups * key_dim :], mlp.fc2.bias[groups * key_dim :]
-            w.normal_(0.0, 0.5)
-            b.copy_(8.0 * torch.randint(0, 2, b.shape, dtype=b.dtype).mul_(2).sub_(1))  # ω ≈ 7e-4 or ≈ 2
+        # ω's bias at ±8 (ω ≈ 7e-4 or ≈ 2), half of the (write, group) pairs each way in a random order, so both
+        # ends occur whatever the draw, even with a single group over few writes.
+        signs = _shuffled_signs(len(mixer.keys) * groups).view(len(mixer.keys), groups)
+        for mlp, sign in zip(mixer.keys, signs):
+            mlp.fc2.weight[groups * key_dim :].normal_(0.0, 0.5)
+            mlp.fc2.bias[groups * key_dim :].copy_(8.0 * sign)
         if lam == "bounds":
-            mixer.theta.copy_(10.0 * torch.randint(0, 2, mixer.theta.shape, dtype=mixer.theta.dtype).mul_(2).sub_(1))
+            mixer.theta.copy_(10.0 * _shuffled_signs(mixer.theta.numel()).view_as(mixer.theta))
     fast = copy.deepcopy(ref).to(torch.float32)
     ref.mixer.impl = "recurrent"
     assert fast.mixer.impl == "dual"
