@@ -47,13 +47,29 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, d, bias=False)
         self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Buffers made once for the longest context, so they follow the model's device and a compiled forward
+        # sees no attribute appear on its first call (which would compile the whole graph a second time). Not in
+        # the state dict: they are a function of the config.
+        self.max_seq_len = cfg.max_seq_len
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, self.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, self.head_dim), persistent=False)
+        self.reset_rope()
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        """Fill the rotary tables (again: a loader that materializes the model from the meta device needs it)."""
+        if self.rope_cos.is_meta:
+            return
+        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.theta, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def _tables(self, t: int, x: torch.Tensor):
-        if self._rope is None or self._rope[0].shape[0] < t or self._rope[0].device != x.device:
-            self._rope = rope_tables(self.head_dim, max(t, 64), self.theta, device=x.device)
-        cos, sin = self._rope
-        return cos[:t].to(x.dtype), sin[:t].to(x.dtype)
+        if t <= self.rope_cos.shape[0]:
+            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        else:  # longer than the model was built for: only an evaluation can ask this
+            cos, sin = rope_tables(self.head_dim, t, self.theta, device=x.device)
+        return cos.to(x.dtype), sin.to(x.dtype)
 
     def forward(self, x):
         b, t, d = x.shape

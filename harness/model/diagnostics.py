@@ -17,9 +17,11 @@ def _rms(x: torch.Tensor) -> float:
 
 @torch.no_grad()
 def traced_forward(model: Decoder, idx: torch.Tensor) -> tuple[torch.Tensor, Trace]:
-    """Logits and the trace of one forward pass."""
+    """Logits and the trace of one forward pass, run eagerly even when the model is compiled: a one-off pass that
+    records every layer's tensors is not worth a compile of its own graph."""
     trace = Trace()
-    logits = model(idx, trace=trace)
+    with torch.compiler.set_stance("force_eager"):
+        logits = model(idx, trace=trace)
     return logits, trace
 
 

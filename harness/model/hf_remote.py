@@ -56,7 +56,10 @@ class DepthmemForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _init_weights(self, module):
-        pass  # the weights come from the checkpoint; the decoder initialises itself when built
+        # The weights come from the checkpoint. The rotary tables are buffers it does not hold, and loading builds
+        # the model without running its constructors' fills, so they are made again here.
+        if hasattr(module, "reset_rope"):
+            module.reset_rope()
 
     def get_input_embeddings(self):
         return self.decoder.embed
