@@ -12,6 +12,7 @@ Hugging Face hub.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import os
@@ -56,15 +57,23 @@ def task_manager(names: list[str], metadata: dict | None = None):
     Unknown names raise a UsageError listing the known ones.
     """
     prepare_environment(offline=all(is_offline_name(n) for n in names))
-    from lm_eval.tasks import TaskManager
-
     # Indexing lm-eval's thousands of stock YAMLs takes seconds; skip it when every name is ours.
     stock = not all(is_offline_name(n) for n in names)
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=stock, metadata=metadata or {})
+    manager = _indexed_tasks(stock, json.dumps(metadata or {}, sort_keys=True, default=str))
     for name in names:
         if name not in manager.all_tasks:
             raise UsageError(_unknown_task(name, manager.all_tasks))
     return manager
+
+
+@functools.lru_cache(maxsize=4)
+def _indexed_tasks(stock: bool, metadata: str):
+    """One TaskManager per setting and process: indexing lm-eval's stock tasks takes about 17 s on two CPU cores,
+    and a notebook evaluating several checkpoints would pay it every time. The manager only holds the index and
+    makes new task objects on each load, so sharing it is safe."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=stock, metadata=json.loads(metadata))
 
 
 def prepare_environment(*, offline: bool) -> None:
