@@ -193,7 +193,7 @@ def test_training_killed_at_random_moments_loses_nothing(reference, kill_rng, tm
     run = tmp_path / "killed"
     argv = ["train", *TRAIN_ARGS, "--out", str(run)]
     ckpt_step, kept = -1, {}
-    for trial in range(7):
+    for trial in range(4):
         # From just before its first file to a third of the way through training: each trial advances it a little.
         first = reference["first_write"]
         delay = kill_rng.uniform(0.8 * first, first + 0.35 * (reference["total"] - first))
@@ -225,7 +225,7 @@ def test_training_killed_at_random_moments_loses_nothing(reference, kill_rng, tm
     # A finished run killed while it is asked to train again stays exactly as it was.
     before = snapshot(run)
     delay = kill_rng.uniform(0.5 * reference["first_write"], 1.5 * reference["first_write"])
-    print(f"training trial 7 (finished run): SIGKILL after {delay:.2f}s -> {runner.kill_after(argv, delay)}")
+    print(f"training trial 4 (finished run): SIGKILL after {delay:.2f}s -> {runner.kill_after(argv, delay)}")
     assert snapshot(run) == before
 
 
@@ -242,7 +242,7 @@ def test_evaluation_killed_at_random_moments_loses_nothing(reference, kill_rng, 
 
     argv = ["eval", str(run), "--tasks", "offline_piqa", *common]
     piqa_rows = None
-    for trial in range(6):
+    for trial in range(4):
         delay = kill_rng.uniform(0.3 * duration, 1.1 * duration)
         outcome = runner.kill_after(argv, delay)
         files = check_parses(run)
@@ -277,7 +277,7 @@ def test_report_killed_at_random_moments_loses_nothing(reference, kill_rng, tmp_
     report = {k: v for k, v in snapshot(sweep).items() if k not in runs}
     assert "REPORT.md" in report and "runs.parquet" in report and any(k.startswith("figures/") for k in report)
 
-    for trial in range(6):
+    for trial in range(4):
         delay = kill_rng.uniform(0.3 * duration, 1.1 * duration)
         outcome = runner.kill_after(["report", str(sweep)], delay)
         files = check_parses(sweep)
