@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +61,54 @@ def test_two_processes_match_one_process(variant, tmp_path, tmp_path_factory):
         got, want = _column(tmp_path / "ddp", name), _column(single, name)
         assert len(got) == len(want) > 0
         assert got == pytest.approx(want, rel=1e-5), name
+
+
+def _rank_one(parent: int) -> int | None:
+    """The PID of the child process running rank 1 of a local multi-process run, once it exists."""
+    try:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in children:
+        try:
+            if b"LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.xdist_group("ddp")
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_the_run_resumes(tmp_path, tmp_path_factory):
+    """SLURM signals a job's tasks one by one. Signalled alone, rank 1 must not start a collective of its own (the
+    run would hang); both ranks stop after one step, save it, and the same command finishes the run."""
+    env = {**os.environ, "DEPTHMEM_CACHE": str(tmp_path_factory.getbasetemp().parent / "depthmem-cache")}
+    run = tmp_path / "ddp"
+    settings = {"max_steps": 120, "log_every_steps": 5, "val_every_steps": 60, "val_batches": 1}
+    settings |= {"ckpt_every_steps": 60, "seq_len": 32, "batch_size": 8, "warmup_steps": 2}
+    command = [str(Path(sys.executable).parent / "depthmem"), "train", "--preset", "tiny", "--devices", "2"]
+    command += ["--out", str(run), *[f"--set=train.{k}={v}" for k, v in settings.items()]]
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = run / "metrics.csv"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:  # training, past the first log lines
+            break
+        time.sleep(0.1)
+    child = _rank_one(proc.pid)
+    assert child is not None and proc.poll() is None, "rank 1 was not found while the run trained"
+    os.kill(child, signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # both ranks: this test's own session
+        pytest.fail("the run hung after rank 1 alone received SIGTERM")
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["ckpt_step"] == status["step"] < 120, (status, err[-2000:])
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((run / "status.json").read_text())["state"] == "done"
+    steps = [int(s) for s in _column(run, "step")]
+    assert steps == sorted(set(steps)) and steps[-1] == 120

@@ -56,6 +56,7 @@ from harness.model.factory import build_model
 from harness.training import budget
 from harness.training.budget import seq_len_of
 from harness.training.checkpoint import read_checkpoint
+from harness.training.signals import SyncedStop
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
@@ -897,6 +898,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     costs = StepCosts(resume_step, total)
     _quiet_lightning()
     callbacks = [files, costs] if plain_logs else [files, costs, StepProgressBar(files)]
+    callbacks.append(SyncedStop())  # after RunFiles, whose step-end work (checkpoints, validation) comes first
     trainer = _trainer(cfg, callbacks, run_dir, total, plain_logs)
     dataset = StepBatches(
         tokens.train, cfg, total, lambda: (trainer.global_step, trainer.global_rank, trainer.world_size)
