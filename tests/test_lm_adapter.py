@@ -121,15 +121,20 @@ def test_is_greedy_matches_argmax(model, tokenizer, corpus, rng):
     for _ in range(40):
         context = passage(corpus, rng, 6)
         ctx = tokenizer.encode(context)
-        ranked = log_probs_of(model, ctx)[-1].argsort(descending=True).tolist()
+        lp = log_probs_of(model, ctx)[-1]
+        ranked = lp.argsort(descending=True).tolist()
         best, second = tokenizer.decode([ranked[0]]), tokenizer.decode([ranked[1]])
-        # Only tokens whose text re-encodes to themselves after this context make a clean test.
+        # Only tokens whose text re-encodes to themselves after this context make a clean test, and only a clear
+        # winner: a near-tie among 50257 tokens may be ordered the other way by the rounding of a batched pass.
         if tokenizer.encode(context + best) != ctx + [ranked[0]] or tokenizer.encode(context + second) != ctx + [
             ranked[1]
         ]:
             continue
+        if lp[ranked[0]] - lp[ranked[1]] < 1e-4:
+            continue
         (_, g1), (_, g2) = lm.loglikelihood(requests("loglikelihood", [(context, best), (context, second)]))
-        assert g1 and not g2
+        top = [(t, float(lp[t])) for t in ranked[:3]]
+        assert g1 and not g2, f"context {context!r}: greedy {g1}, {g2} for the top tokens {top}"
         checked += 1
         if checked == 3:
             break
