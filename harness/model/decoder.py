@@ -50,7 +50,6 @@ class Attention(nn.Module):
         # Buffers made once for the longest context, so they follow the model's device and a compiled forward
         # sees no attribute appear on its first call (which would compile the whole graph a second time). Not in
         # the state dict: they are a function of the config.
-        self.max_seq_len = cfg.max_seq_len
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, self.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, self.head_dim), persistent=False)
         self.reset_rope()
@@ -60,7 +59,7 @@ class Attention(nn.Module):
         """Fill the rotary tables (again: a loader that materializes the model from the meta device needs it)."""
         if self.rope_cos.is_meta:
             return
-        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.theta, device=self.rope_cos.device)
+        cos, sin = rope_tables(self.head_dim, self.rope_cos.shape[0], self.theta, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
