@@ -264,3 +264,13 @@ def test_eval_says_where_it_wrote(tmp_path, rng_seed, capsys):
     )
     assert f"in {run.resolve() / 'eval'}" in capsys.readouterr().out
     assert json.loads((run / "eval" / "tasks.json").read_text())["offline_copa"]["limit"] == 2
+
+
+def test_the_task_index_is_built_once_per_setting():
+    from harness.evaluation.evaluator import task_manager
+
+    first = task_manager(["offline_copa"], {"val_fraction": 0.1})
+    assert task_manager(["offline_piqa", "offline_copa"], {"val_fraction": 0.1}) is first
+    other = task_manager(["offline_copa"], {"val_fraction": 0.2})
+    assert other is not first and other.metadata == {"val_fraction": 0.2}
+    assert "offline_copa" in first.all_tasks

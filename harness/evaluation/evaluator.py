@@ -12,7 +12,6 @@ Hugging Face hub.
 from __future__ import annotations
 
 import csv
-import functools
 import io
 import json
 import os
@@ -59,21 +58,26 @@ def task_manager(names: list[str], metadata: dict | None = None):
     prepare_environment(offline=all(is_offline_name(n) for n in names))
     # Indexing lm-eval's thousands of stock YAMLs takes seconds; skip it when every name is ours.
     stock = not all(is_offline_name(n) for n in names)
-    manager = _indexed_tasks(stock, json.dumps(metadata or {}, sort_keys=True, default=str))
+    manager = _indexed_tasks(stock, metadata or {})
     for name in names:
         if name not in manager.all_tasks:
             raise UsageError(_unknown_task(name, manager.all_tasks))
     return manager
 
 
-@functools.lru_cache(maxsize=4)
-def _indexed_tasks(stock: bool, metadata: str):
+_MANAGERS: dict[tuple[bool, str], Any] = {}
+
+
+def _indexed_tasks(stock: bool, metadata: dict):
     """One TaskManager per setting and process: indexing lm-eval's stock tasks takes about 17 s on two CPU cores,
     and a notebook evaluating several checkpoints would pay it every time. The manager only holds the index and
     makes new task objects on each load, so sharing it is safe."""
-    from lm_eval.tasks import TaskManager
+    key = (stock, json.dumps(metadata, sort_keys=True, default=repr))
+    if key not in _MANAGERS:
+        from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR), include_defaults=stock, metadata=json.loads(metadata))
+        _MANAGERS[key] = TaskManager(include_path=str(TASKS_DIR), include_defaults=stock, metadata=metadata)
+    return _MANAGERS[key]
 
 
 def prepare_environment(*, offline: bool) -> None:
