@@ -39,32 +39,40 @@ def sinkhorn_reference(logits: torch.Tensor, iters: int) -> torch.Tensor:
     return m
 
 
+def _sinkhorn_steps(logits: torch.Tensor, iters: int):
+    """The normalized matrix and every step's normalizers, for matrices laid out (j, k, tokens)."""
+    m = torch.exp(logits - logits.amax(dim=(0, 1), keepdim=True))
+    sums = []
+    for _ in range(iters):
+        for axis in (0, 1):  # columns (a sum over j), then rows (over k)
+            s = m.sum(axis, keepdim=True)
+            m = m / s
+            sums.append(s)
+    return m, sums
+
+
 class SinkhornKnopp(torch.autograd.Function):
     """``sinkhorn_reference`` with its backward written out, on matrices laid out (j, k, tokens).
 
     Per token the matrices are n×n with n ≤ 8: with the tokens on the last axis every sum over rows or columns is
     a reduction over a short leading axis of long contiguous rows, about ten times faster than over the trailing
-    n (docs/benchmarks.md). Backward keeps only each step's normalizers, not its matrix: a step ``m' = m / s``
-    is undone as ``m = m' s`` (to rounding) while walking the steps in reverse, and the gradient of a
-    normalization is ``dm = (dm' − Σ_axis dm' ⊙ m') / s``.
+    n (docs/benchmarks.md). Only the logits are kept for backward (n² floats per token, against 2·iters·n
+    normalizers): backward runs the iterations again, which repeats the forward to the bit, then walks the steps
+    in reverse, undoing a step ``m' = m / s`` as ``m = m' s`` (to rounding). The gradient of a normalization is
+    ``dm = (dm' − Σ_axis dm' ⊙ m') / s``.
     """
 
     @staticmethod
     def forward(ctx, logits, iters: int):
-        m = torch.exp(logits - logits.amax(dim=(0, 1), keepdim=True))
-        sums = []
-        for _ in range(iters):
-            for axis in (0, 1):  # columns (a sum over j), then rows (over k)
-                s = m.sum(axis, keepdim=True)
-                m = m / s
-                sums.append(s)
-        ctx.save_for_backward(m, *sums)
-        return m
+        ctx.iters = iters
+        ctx.save_for_backward(logits)
+        return _sinkhorn_steps(logits, iters)[0]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dm):
-        m, *sums = ctx.saved_tensors
+        (logits,) = ctx.saved_tensors
+        m, sums = _sinkhorn_steps(logits, ctx.iters)
         dm = dm.contiguous()  # it arrives in the caller's (..., j, k) layout; the loop wants tokens last
         for step in reversed(range(len(sums))):
             axis, s = step % 2, sums[step]

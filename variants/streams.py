@@ -11,11 +11,20 @@ floats instead of the layout copies and temporaries autograd makes around per-to
 connections' RMSNorm after their projection (``normalized_projection``) and, in mHC, runs Sinkhorn with a
 hand-written backward. ``reference`` is the plain form of all three; tests/test_fast_paths.py holds the fused one
 to it in float64, and docs/benchmarks.md has what each change saved.
+
+The fused path also checkpoints the stream (``StreamTape``). Every layer's read, connections and write need that
+layer's ``X`` in backward, ``n·d`` floats per token per layer, which was most of what HC and mHC held above PreLN.
+Autograd keeps ``X`` only at every ``segment``-th layer (``⌈√L⌉`` by default); the others are recomputed in
+backward, one segment at a time, from the nearest kept ``X`` and the writes ``X ← res X + post ⊗ v`` after it,
+whose ``res``, ``post`` and ``v`` autograd keeps anyway. The recomputation repeats the forward's own operations on
+the same inputs, so it is bit for bit the ``X`` of the forward pass.
 Axes: b batch, t time, j and k streams, d width, s source.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Literal
 
 import torch
@@ -48,15 +57,23 @@ class StreamRead(torch.autograd.Function):
         return dpre, dX
 
 
+def stream_write(res: torch.Tensor, X: torch.Tensor, post: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``res X + post ⊗ v`` for contiguous ``res`` and ``post``: the forward of ``StreamWrite``, and what the tape
+    runs again to recompute a stream."""
+    # In place on the product's fresh output: no temporary for post ⊗ v.
+    return (res @ X).addcmul_(post.unsqueeze(-1), v.unsqueeze(-2))
+
+
 class StreamWrite(torch.autograd.Function):
     """``Y = res X + post ⊗ v``: ``res`` (..., j, k), ``X`` (..., k, d), ``post`` (..., j), ``v`` (..., d)."""
 
     @staticmethod
-    def forward(ctx, res, X, post, v):
+    def forward(ctx, res, X, post, v, tape=None, layer=None):
         res, post = res.contiguous(), post.contiguous()
         ctx.save_for_backward(res, X, post, v)
-        # In place on the product's fresh output: no temporary for post ⊗ v.
-        return (res @ X).addcmul_(post.unsqueeze(-1), v.unsqueeze(-2))
+        if tape is not None:
+            tape.writes[layer] = (res.detach(), post.detach(), v.detach())
+        return stream_write(res, X, post, v)
 
     @staticmethod
     @once_differentiable
@@ -69,7 +86,79 @@ class StreamWrite(torch.autograd.Function):
         dX = res.mT @ dY if need[1] else None
         dpost = (dY @ v.unsqueeze(-1)).squeeze(-1) if need[2] else None  # dY_j · v
         dv = (post.unsqueeze(-2) @ dY).squeeze(-2) if need[3] else None  # Σ_j post_j dY_j
-        return dres, dX, dpost, dv
+        return dres, dX, dpost, dv, None, None
+
+
+class _Recomputed:
+    """What autograd holds instead of a view of a layer's stream that the tape recomputes."""
+
+    __slots__ = ("tape", "layer", "size", "stride", "offset")
+
+    def __init__(self, tape, layer, view):
+        self.tape, self.layer = tape, layer
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+
+
+class StreamTape:
+    """Keeps the stream ``X_l`` for backward at every ``segment``-th layer and recomputes the others.
+
+    While layer ``l``'s read and write run (``saving(l, X_l)``), saved-tensor hooks replace every tensor autograd
+    saves that is ``X_l`` or a view of it by a ``_Recomputed`` handle, except at the kept layers. In backward the
+    first handle of a segment recomputes that segment's streams from its kept ``X`` and the writes recorded by
+    ``StreamWrite``; the previous segment's are dropped, so backward holds one segment at a time. Hooks active
+    around the mixer (the benchmark's counter of saved bytes) still see every tensor that is saved.
+    """
+
+    def __init__(self, segment: int):
+        self.segment = segment
+        self.kept: dict[int, torch.Tensor] = {}
+        self.writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.cache: dict[int, torch.Tensor] = {}
+        self._layer, self._storage = -1, None
+        self._outer = None
+
+    def saving(self, layer: int, X: torch.Tensor):
+        """A context in which autograd saves ``X`` (the stream before ``layer``) only if ``layer`` is kept."""
+        self._layer = layer
+        self._storage = X.untyped_storage().data_ptr()
+        if layer % self.segment == 0:
+            # Detached, as everything the tape holds: autograd's nodes hold the tape, which must not hold them.
+            self.kept[layer] = X.detach()
+        # Hooks pushed outside this one would be masked by it (only the innermost pair runs): pass tensors on.
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if self._layer not in self.kept and t.untyped_storage().data_ptr() == self._storage:
+            return _Recomputed(self, self._layer, t)
+        # Detached: a saved output must not hold its own graph (see torch.autograd.graph.saved_tensors_hooks).
+        return (self._outer[1], self._outer[0](t)) if self._outer else t.detach()
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, _Recomputed):
+            return packed.tape.stream(packed.layer).as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, tuple):  # (the outer unpack hook, what the outer pack hook returned)
+            return packed[0](packed[1])
+        return packed
+
+    def stream(self, layer: int) -> torch.Tensor:
+        """``X_layer`` as the forward pass computed it."""
+        if layer in self.kept:
+            return self.kept[layer]
+        if layer not in self.cache:
+            start = layer - layer % self.segment
+            self.cache = {}  # free the segment backward has left before making the next
+            X = self.kept[start]
+            with torch.no_grad():
+                # The whole segment at once: backward asks for its streams from the top down.
+                for l in range(start, start + self.segment - 1):
+                    if l not in self.writes:
+                        break
+                    res, post, v = self.writes[l]
+                    X = stream_write(res, X, post, v)
+                    self.cache[l + 1] = X
+        return self.cache[layer]
 
 
 class ExpandedStream(DepthMixer):
@@ -77,6 +166,12 @@ class ExpandedStream(DepthMixer):
 
     n: int
     impl: Literal["fused", "reference"] = "fused"
+    # Layers per checkpointed segment of the stream on the fused path: None for ⌈√L⌉, which keeps about 2√L of
+    # the L streams at once (√L kept, one segment recomputed); 1 keeps every layer's stream, as autograd would.
+    stream_segment: int | None = None
+
+    def segment(self) -> int:
+        return self.stream_segment or math.isqrt(self.n_layers - 1) + 1  # ⌈√L⌉
 
     def connections(self, X: torch.Tensor, layer: int):
         """``pre`` (b, t, k), ``res`` (b, t, j, k) and ``post`` (b, t, j) of ``layer`` for streams ``X``."""
@@ -93,32 +188,44 @@ class ExpandedStream(DepthMixer):
         # Contiguous, not a broadcast view: the products below would otherwise fall back to one call per token.
         X = e.to(mix_dtype(e)).unsqueeze(-2).expand(*e.shape[:-1], self.n, e.shape[-1]).contiguous()
         # A dict so that read can leave the connections it computed for write, which sees the same X.
-        return {"X": X}
+        state = {"X": X}
+        segment = self.segment()
+        # Under torch.compile the compiler plans what to save; eager training without gradients saves nothing.
+        if self.impl == "fused" and segment > 1 and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            state["tape"] = StreamTape(segment)
+        return state
+
+    @staticmethod
+    def _saving(state, layer):
+        tape = state.get("tape")
+        return tape.saving(layer, state["X"]) if tape is not None else contextlib.nullcontext()
 
     def read(self, state, layer):
         X = state["X"]
-        pre, res, post = self.connections(X, layer)
-        state["connections"] = (layer, pre, res, post)
-        for key, value in (("pre", pre), ("res", res), ("post", post)):
-            self.record(key, layer, value)
-        with torch.autocast(X.device.type, enabled=False):
-            if self.impl == "reference":
-                return torch.einsum("btk,btkd->btd", pre, X)
-            return StreamRead.apply(pre, X)
+        with self._saving(state, layer):
+            pre, res, post = self.connections(X, layer)
+            state["connections"] = (layer, pre, res, post)
+            for key, value in (("pre", pre), ("res", res), ("post", post)):
+                self.record(key, layer, value)
+            with torch.autocast(X.device.type, enabled=False):
+                if self.impl == "reference":
+                    return torch.einsum("btk,btkd->btd", pre, X)
+                return StreamRead.apply(pre, X)
 
     def write(self, state, layer, out):
-        X = state["X"]
-        cached = state.get("connections")
-        if cached is None or cached[0] != layer:
-            cached = (layer, *self.connections(X, layer))
-        _, pre, res, post = cached
-        with torch.autocast(X.device.type, enabled=False):
-            v = out.to(X.dtype)
-            if self.impl == "reference":
-                X = torch.einsum("btjk,btkd->btjd", res, X) + post.unsqueeze(-1) * v.unsqueeze(-2)
-            else:
-                X = StreamWrite.apply(res, X, post, v)
-        return {"X": X}
+        X, tape = state["X"], state.get("tape")
+        with self._saving(state, layer):
+            cached = state.get("connections")
+            if cached is None or cached[0] != layer:
+                cached = (layer, *self.connections(X, layer))
+            _, pre, res, post = cached
+            with torch.autocast(X.device.type, enabled=False):
+                v = out.to(X.dtype)
+                if self.impl == "reference":
+                    X = torch.einsum("btjk,btkd->btjd", res, X) + post.unsqueeze(-1) * v.unsqueeze(-2)
+                else:
+                    X = StreamWrite.apply(res, X, post, v, tape, layer)
+        return {"X": X, "tape": tape} if tape is not None else {"X": X}
 
     def read_head(self, state):
         return state["X"].sum(-2)
