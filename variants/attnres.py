@@ -62,52 +62,6 @@ def depth_attention(query: torch.Tensor | None, keys: list[torch.Tensor], values
 RMS_EPS = 1e-6
 
 
-def _bdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # Per-token dot products as a batch of 1×d by d×1 products: one pass, no (b, t, d) temporary.
-    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).squeeze(-1).squeeze(-1)
-
-
-class DepthAttention(torch.autograd.Function):
-    """``depth_attention`` over a few sources without stacking them: ``apply(query, n, *keys, *values)`` with
-    ``query`` (d,), keys and values (b, t, d) each, all in the mixing precision -> (b, t, d) and the weights
-    (b, t, s). Backward keeps only the weights (the keys and values are the caller's state, held anyway), where
-    the stacked form saves a fresh (b, t, s, d) copy of both for every read."""
-
-    @staticmethod
-    def forward(ctx, query, n: int, *kv):
-        keys, values = kv[:n], kv[n:]
-        p = torch.softmax(torch.stack([k @ query for k in keys], dim=-1), dim=-1)  # (b, t, s)
-        a = values[0] * p[..., 0, None]
-        for i in range(1, n):
-            a.addcmul_(values[i], p[..., i, None])
-        ctx.n = n
-        ctx.save_for_backward(query, p, *kv)
-        ctx.mark_non_differentiable(p)
-        return a, p
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, da, _):
-        query, p, *kv = ctx.saved_tensors
-        n, d = ctx.n, query.shape[-1]
-        keys, values = kv[:n], kv[n:]
-        dp = torch.stack([_bdot(v, da) for v in values], dim=-1)  # v_s · ∂a, (b, t, s)
-        g = p * (dp - (p * dp).sum(-1, keepdim=True))  # the logits' gradient
-        dq = sum(g[..., i].reshape(-1) @ k.reshape(-1, d) for i, k in enumerate(keys))
-        dkeys = [g[..., i, None] * query for i in range(n)]
-        dvalues = [da * p[..., i, None] for i in range(n)]
-        return dq, None, *dkeys, *dvalues
-
-
-def depth_attention_fused(query: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """``depth_attention`` through ``DepthAttention``; same arguments and results."""
-    dt = keys[0].dtype
-    if query is None:
-        return values[0].to(dt), keys[0].new_ones(*keys[0].shape[:-1], 1)
-    with torch.autocast(keys[0].device.type, enabled=False):
-        return DepthAttention.apply(query.to(dt), len(keys), *keys, *[v.to(dt) for v in values])
-
-
 class DepthBuffers:
     """One forward pass of the fused path: every source's value and key scale, the logits of every (reader, source)
     pair, the reads' softmax weights, and what the reads' backward passes leave for the writes' backward."""

@@ -6,9 +6,16 @@ Layers are grouped into blocks of ``S`` consecutive layers; ``b_n`` is the sum o
 ``[b_0, ..., b_{n-1}]`` plus the partial sum of its own block so far, when it has one (``i > 0``). The head reads
 every completed block and the last partial one with its own pseudo-query. The carried state shrinks from
 ``L + 1`` to about ``L / S + 1`` vectors per token; ``S = 1`` is full AttnRes. Pseudo-queries start at zero
-(uniform weights), the key RMSNorm has no gain, as in ``attnres``. ``mixer.impl``: ``fused`` (the default) reads
-through ``DepthAttention``, ``reference`` stacks the sources as the formula reads; tests/test_fast_paths.py holds
-them equal in float64. Axes: b batch, t time, d width, s source.
+(uniform weights), the key RMSNorm has no gain, as in ``attnres``.
+
+Two implementations compute the same function (``mixer.impl``). ``reference`` stacks the sources and attends over
+them as the formula reads. ``fused``, the default, works like full AttnRes's: the queries do not depend on the
+input, so a completed block's logits for every later reader, ``ρ_s (b_s · w_r)``, are one matrix product when the
+block completes (``BlockWrite``), and the block sums live once in one buffer. A read is a softmax over a row of that
+table plus the partial sum's logit, one batched product and one scaled addition (``BlockRead``); its backward adds
+``p_rs ∂a_r`` into one gradient row per block and leaves the logits' gradients in a table, and each block's
+backward collects its gradient and the queries' from them at once. tests/test_fast_paths.py holds the two equal in
+float64. Axes: b batch, t time, d width, s source, r reader, n token (b·t flattened).
 """
 
 from __future__ import annotations
@@ -19,10 +26,121 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from harness.registry import knob
-from variants.attnres import depth_attention, depth_attention_fused, mix_dtype, rms_normalize
+from variants.attnres import RMS_EPS, depth_attention, mix_dtype, rms_normalize
 from variants.base import DepthMixer, register
+from variants.ops import _bdot, rms_scale
+
+
+class BlockBuffers:
+    """One forward pass of the fused path: the completed block sums, their logits for every later reader, and what
+    the reads' backward passes leave for the blocks' backward."""
+
+    def __init__(self, e: torch.Tensor, queries: torch.Tensor, block_size: int):
+        b, t, d = e.shape
+        n, readers = b * t, queries.shape[0] + 1  # layers 0 .. L - 1 and the head
+        sources = 1 + (readers - 1) // block_size  # the embedding and every completed block
+        dt = mix_dtype(e)
+        self.shape, self.queries, self.block_size = (b, t, d), queries, block_size
+        self.values = e.new_empty(n, sources, d, dtype=dt)  # b_0 = e, b_1, ...
+        self.scale = e.new_empty(n, sources, dtype=dt)  # ρ_s = 1 / sqrt(mean(b_s²) + eps)
+        self.logits = e.new_zeros(n, sources, readers, dtype=dt)  # [n, s, r] = ρ_s b_s · w_r for r ≥ first(s)
+        self.dlogits: torch.Tensor | None = None  # [n, s, r], filled by the reads' backward passes
+        self.dvalues: torch.Tensor | None = None  # [n, s] = Σ_r p_rs ∂a_r, likewise
+
+    def first_reader(self, s: int) -> int:
+        """The first reader that sees block ``s`` and needs its logit (reader 0 reads the embedding alone)."""
+        return max(s * self.block_size, 1)
+
+    def backward_buffers(self) -> None:
+        if self.dvalues is None:
+            self.dlogits = torch.zeros_like(self.logits)
+            self.dvalues = torch.zeros_like(self.values)
+
+
+class BlockWrite(torch.autograd.Function):
+    """Identity on block sum ``s``; forward stores it and its logits for every later reader, backward collects
+    ``∂b_s = Σ_r p_rs ∂a_r + Σ_r g_rs (ρ_s w_r − ρ_s² ℓ_rs b_s / d)`` (``g`` the logits' gradients, ``ℓ`` the
+    logits) and the queries' share ``∂w_r = Σ_n g_rs ρ_s b_s`` once every read of it has run its backward."""
+
+    @staticmethod
+    def forward(ctx, v, queries, buf: BlockBuffers, s: int):
+        n, _, d = buf.values.shape
+        x = v.reshape(n, d).to(buf.values.dtype)
+        buf.values[:, s] = x
+        rho = torch.rsqrt(_bdot(x, x).squeeze(-1) / d + RMS_EPS)
+        buf.scale[:, s] = rho
+        first = buf.first_reader(s)
+        if first < buf.logits.shape[-1]:
+            buf.logits[:, s, first:] = (x @ queries[first - 1 :].to(x.dtype).mT) * rho[:, None]
+        ctx.buf, ctx.s, ctx.v_dtype = buf, s, v.dtype
+        ctx.set_materialize_grads(False)  # the reads return None for their sources
+        return v.view_as(v)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dv_in):
+        buf, s = ctx.buf, ctx.s
+        first = buf.first_reader(s)
+        if buf.dvalues is None or first >= buf.logits.shape[-1]:
+            return dv_in, None, None, None
+        n, _, d = buf.values.shape
+        with torch.autocast(buf.values.device.type, enabled=False):
+            x, rho = buf.values[:, s], buf.scale[:, s]  # (n, d), (n,)
+            g = buf.dlogits[:, s, first:]  # (n, r')
+            gr = g * rho[:, None]
+            w = buf.queries[first - 1 :].to(x.dtype)
+            dv = torch.addmm(buf.dvalues[:, s], gr, w)
+            buf.dvalues[:, s].zero_()  # collected: a second backward through a retained graph adds from zero
+            c = _bdot(g, buf.logits[:, s, first:]).squeeze(-1) * rho.square() / d
+            dv.addcmul_(c[:, None], x, value=-1.0)
+            dq = None
+            if ctx.needs_input_grad[1]:
+                dq = torch.zeros_like(buf.queries)
+                dq[first - 1 :] = (gr.mT @ x).to(dq.dtype)
+        dv = dv.view(buf.shape).to(ctx.v_dtype)
+        return (dv if dv_in is None else dv.add_(dv_in)), dq, None, None
+
+
+class BlockRead(torch.autograd.Function):
+    """``a_r = Σ_s p_s b_s + p_partial · partial`` with ``p = softmax([ℓ_r0, ..., ℓ_partial])`` from the buffers and
+    the partial sum's logit; ``apply(buf, r, partial_logit, partial, *blocks)`` with the partial terms (n,) and
+    (n, d), or None where the reader has no partial sum. The blocks are passed only so that autograd runs their
+    backward after this one. Returns ``a_r`` (n, d) and the weights (n, sources)."""
+
+    @staticmethod
+    def forward(ctx, buf: BlockBuffers, r: int, partial_logit, partial, *blocks):
+        m = len(blocks)
+        logits = buf.logits[:, :m, r]
+        if partial is not None:
+            logits = torch.cat([logits, partial_logit[:, None]], dim=-1)
+        p = torch.softmax(logits, dim=-1)  # (n, m) or (n, m + 1)
+        a = torch.bmm(p[:, None, :m], buf.values[:, :m]).squeeze(1)  # (n, d)
+        if partial is not None:
+            a.addcmul_(partial, p[:, m:])
+        ctx.buf, ctx.r, ctx.m = buf, r, m
+        ctx.save_for_backward(p, partial)
+        ctx.mark_non_differentiable(p)
+        return a, p
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da, _):
+        buf, r, m = ctx.buf, ctx.r, ctx.m
+        p, partial = ctx.saved_tensors
+        buf.backward_buffers()
+        dp = torch.bmm(buf.values[:, :m], da.unsqueeze(-1)).squeeze(-1)  # b_s · ∂a_r, (n, m)
+        if partial is not None:
+            dp = torch.cat([dp, _bdot(partial, da)], dim=-1)
+        g = p * (dp - _bdot(p, dp))  # the logits' gradient
+        buf.dlogits[:, :m, r] = g[:, :m]
+        # p_rs ∂a_r into every block's row, elementwise: a batched product on this strided slice runs per token.
+        buf.dvalues[:, :m].addcmul_(p[:, :m, None], da[:, None, :])
+        if partial is None:
+            return (None, None, None, None) + (None,) * m
+        return (None, None, g[:, m], da * p[:, m:]) + (None,) * m
 
 
 @register("attnres-block")
@@ -48,33 +166,59 @@ class AttnResBlock(DepthMixer):
         # Layer 0 sees only the embedding, where a softmax over one source is 1 whatever its query: it has none.
         self.queries = nn.Parameter(torch.zeros(n_layers, d_model))
 
-    def init_state(self, e):
-        # (completed block sums, their normalized keys, partial sum of the current block or None)
-        return [e], [rms_normalize(e)], None
-
-    # ``fused`` reads through ``DepthAttention`` (no stacked copies saved per read); ``reference`` stacks.
     impl: Literal["fused", "reference"] = "fused"
 
+    def init_state(self, e):
+        # The fused path hands buffers between its autograd nodes outside the graph, which torch.compile cannot
+        # trace; a compiled model runs the reference form of the same math, as full AttnRes does.
+        if self.impl == "reference" or torch.compiler.is_compiling():
+            # (completed block sums, their normalized keys, partial sum of the current block or None)
+            return [e], [rms_normalize(e)], None
+        # (completed block sums, the buffers that also hold them, partial sum or None)
+        buf = BlockBuffers(e, self.queries, self.block_size)
+        with torch.autocast(e.device.type, enabled=False):
+            return [BlockWrite.apply(e, self.queries, buf, 0)], buf, None
+
     def _read(self, state, reader: int):
-        blocks, keys, partial = state
-        if partial is not None:
-            blocks, keys = blocks + [partial], keys + [rms_normalize(partial)]
-        attend = depth_attention if self.impl == "reference" else depth_attention_fused
-        a, weights = attend(self.queries[reader - 1] if reader else None, keys, blocks)
-        self.record("weights", reader, weights)
-        return a
+        blocks, keys_or_buffers, partial = state
+        if not isinstance(keys_or_buffers, BlockBuffers):
+            keys = keys_or_buffers
+            if partial is not None:
+                blocks, keys = blocks + [partial], keys + [rms_normalize(partial)]
+            a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, blocks)
+            self.record("weights", reader, weights)
+            return a
+        buf = keys_or_buffers
+        (b, t, d), dt = buf.shape, buf.values.dtype
+        if reader == 0:  # the embedding alone, with weight 1
+            self.record("weights", 0, blocks[0].new_ones(b, t, 1, dtype=dt))
+            return blocks[0].to(dt)
+        with torch.autocast(buf.values.device.type, enabled=False):
+            flat, logit = None, None
+            if partial is not None:
+                flat = partial.reshape(b * t, d)
+                # ρ (partial · w): the partial sum's key is never materialized.
+                logit = (flat @ self.queries[reader - 1].to(dt)) * rms_scale(flat).squeeze(-1)
+            a, weights = BlockRead.apply(buf, reader, logit, flat, *blocks)
+        self.record("weights", reader, weights.view(b, t, -1))
+        return a.view(b, t, d)
 
     def read(self, state, layer):
         return self._read(state, layer)
 
     def write(self, state, layer, out):
-        blocks, keys, partial = state
+        blocks, keys_or_buffers, partial = state
         # Sums accumulate in at least float32, like PreLN's stream under bf16 autocast.
         out = out.to(mix_dtype(out))
         partial = out if partial is None else partial + out
-        if (layer + 1) % self.block_size == 0:
-            return blocks + [partial], keys + [rms_normalize(partial)], None
-        return blocks, keys, partial
+        if (layer + 1) % self.block_size:
+            return blocks, keys_or_buffers, partial
+        if not isinstance(keys_or_buffers, BlockBuffers):
+            return blocks + [partial], keys_or_buffers + [rms_normalize(partial)], None
+        buf = keys_or_buffers
+        with torch.autocast(out.device.type, enabled=False):
+            block = BlockWrite.apply(partial, self.queries, buf, (layer + 1) // self.block_size)
+        return blocks + [block], buf, None
 
     def read_head(self, state):
         return self._read(state, self.n_layers)
