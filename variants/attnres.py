@@ -115,7 +115,8 @@ class FusedWrite(torch.autograd.Function):
         with torch.autocast(buf.values.device.type, enabled=False):
             if first < S and buf.dreads is not None:
                 x, rho = buf.values[:, s], buf.scale[:, s]  # (n, d), (n,)
-                p = buf.weights[:, first:, s].unsqueeze(1)  # (n, 1, r')
+                # Contiguous: a batched product on this strided column falls back to one call per token.
+                p = buf.weights[:, first:, s].contiguous().unsqueeze(1)  # (n, 1, r')
                 dv = torch.bmm(p, buf.dreads[:, first:]).squeeze(1)  # Σ_r p_rs ∂a_r
                 g = buf.dlogits[:, s, first:]  # (n, r')
                 gr = g * rho[:, None]
