@@ -157,7 +157,8 @@ class FusedRead(torch.autograd.Function):
             da = da.reshape(n, d).to(buf.values.dtype)
             buf.dreads[:, r] = da
             p = buf.weights[:, r, : r + 1]
-            dp = torch.bmm(buf.values[:, : r + 1], da.unsqueeze(-1)).squeeze(-1)  # v_s · ∂a_r, (n, s)
+            # ∂a_rᵀ V_sᵀ rather than V_s ∂a_r: the same products, about twice as fast on CPU as batched matvecs.
+            dp = torch.bmm(da.unsqueeze(1), buf.values[:, : r + 1].mT).squeeze(1)  # v_s · ∂a_r, (n, s)
             buf.dlogits[:, : r + 1, r] = p * (dp - (p * dp).sum(-1, keepdim=True))
         return (None, None) + (None,) * ctx.n_sources
 

