@@ -62,6 +62,37 @@ def depth_attention(query: torch.Tensor | None, keys: list[torch.Tensor], values
 RMS_EPS = 1e-6
 
 
+def store_source(buf, v: torch.Tensor, queries: torch.Tensor, s: int, first: int) -> None:
+    """Keep source ``s`` in ``buf.values`` (n, sources, d), its key scale ``ρ_s`` in ``buf.scale`` and its logits
+    ``ρ_s v_s · w_r`` for readers ``first`` .. L in ``buf.logits`` (n, sources, readers): the pseudo-queries do not
+    depend on the input, so every later reader's logit is known when the source is written."""
+    n, _, d = buf.values.shape
+    x = v.reshape(n, d).to(buf.values.dtype)
+    buf.values[:, s] = x
+    rho = torch.rsqrt(x.pow(2).mean(-1) + RMS_EPS)
+    buf.scale[:, s] = rho
+    if first < buf.logits.shape[-1]:
+        buf.logits[:, s, first:] = (x @ queries[first - 1 :].to(x.dtype).mT) * rho[:, None]
+
+
+def add_logits_backward(buf, s: int, first: int, dv: torch.Tensor, queries_grad: bool) -> torch.Tensor | None:
+    """Add into ``dv`` (n, d) what source ``s``'s logits pass back, ``Σ_r g_rs (ρ_s w_r − ρ_s² ℓ_rs v_s / d)`` with
+    ``g`` the logits' gradients in ``buf.dlogits`` (n, sources, readers), and return the queries' share
+    ``∂w_r = Σ_n g_rs ρ_s v_s`` (None when ``queries_grad`` is false)."""
+    d = buf.values.shape[-1]
+    x, rho = buf.values[:, s], buf.scale[:, s]  # (n, d), (n,)
+    g = buf.dlogits[:, s, first:]  # (n, r')
+    gr = g * rho[:, None]
+    dv.addmm_(gr, buf.queries[first - 1 :].to(x.dtype))
+    c = (g * buf.logits[:, s, first:]).sum(-1) * rho.square() / d
+    dv.addcmul_(c[:, None], x, value=-1.0)
+    if not queries_grad:
+        return None
+    dq = torch.zeros_like(buf.queries)
+    dq[first - 1 :] = (gr.mT @ x).to(dq.dtype)
+    return dq
+
+
 class DepthBuffers:
     """One forward pass of the fused path: every source's value and key scale, the logits of every (reader, source)
     pair, the reads' softmax weights, and what the reads' backward passes leave for the writes' backward."""
@@ -92,15 +123,7 @@ class FusedWrite(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v, queries, buf: DepthBuffers, s: int):
-        n, S, d = buf.values.shape
-        x = v.reshape(n, d).to(buf.values.dtype)
-        buf.values[:, s] = x
-        rho = torch.rsqrt(x.pow(2).mean(-1) + RMS_EPS)
-        buf.scale[:, s] = rho
-        first = max(s, 1)  # reader 0 reads the embedding alone, with weight 1: it needs no logits
-        if first < S:
-            w = queries[first - 1 :].to(x.dtype)  # (r', d): readers first .. L
-            buf.logits[:, s, first:] = (x @ w.mT) * rho[:, None]
+        store_source(buf, v, queries, s, first=max(s, 1))  # reader 0 reads the embedding alone: no logits
         ctx.buf, ctx.s, ctx.v_dtype = buf, s, v.dtype
         ctx.set_materialize_grads(False)  # the reads return None for their sources
         return v.view_as(v)
@@ -114,19 +137,10 @@ class FusedWrite(torch.autograd.Function):
         dq = None
         with torch.autocast(buf.values.device.type, enabled=False):
             if first < S and buf.dreads is not None:
-                x, rho = buf.values[:, s], buf.scale[:, s]  # (n, d), (n,)
                 # Contiguous: a batched product on this strided column falls back to one call per token.
                 p = buf.weights[:, first:, s].contiguous().unsqueeze(1)  # (n, 1, r')
                 dv = torch.bmm(p, buf.dreads[:, first:]).squeeze(1)  # Σ_r p_rs ∂a_r
-                g = buf.dlogits[:, s, first:]  # (n, r')
-                gr = g * rho[:, None]
-                w = buf.queries[first - 1 :].to(x.dtype)
-                dv.addmm_(gr, w)
-                c = (g * buf.logits[:, s, first:]).sum(-1) * rho.square() / d
-                dv.addcmul_(c[:, None], x, value=-1.0)
-                if ctx.needs_input_grad[1]:
-                    dq = torch.zeros_like(buf.queries)
-                    dq[first - 1 :] = (gr.mT @ x).to(dq.dtype)
+                dq = add_logits_backward(buf, s, first, dv, ctx.needs_input_grad[1])
             else:
                 dv = None
         if dv is None:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from harness.registry import knob
-from variants.attnres import RMS_EPS, depth_attention, mix_dtype, rms_normalize
+from variants.attnres import add_logits_backward, depth_attention, mix_dtype, rms_normalize, store_source
 from variants.base import DepthMixer, register
 from variants.ops import _bdot, rms_scale
 
@@ -67,14 +67,7 @@ class BlockWrite(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v, queries, buf: BlockBuffers, s: int):
-        n, _, d = buf.values.shape
-        x = v.reshape(n, d).to(buf.values.dtype)
-        buf.values[:, s] = x
-        rho = torch.rsqrt(_bdot(x, x).squeeze(-1) / d + RMS_EPS)
-        buf.scale[:, s] = rho
-        first = buf.first_reader(s)
-        if first < buf.logits.shape[-1]:
-            buf.logits[:, s, first:] = (x @ queries[first - 1 :].to(x.dtype).mT) * rho[:, None]
+        store_source(buf, v, queries, s, first=buf.first_reader(s))
         ctx.buf, ctx.s, ctx.v_dtype = buf, s, v.dtype
         ctx.set_materialize_grads(False)  # the reads return None for their sources
         return v.view_as(v)
@@ -86,20 +79,10 @@ class BlockWrite(torch.autograd.Function):
         first = buf.first_reader(s)
         if buf.dvalues is None or first >= buf.logits.shape[-1]:
             return dv_in, None, None, None
-        n, _, d = buf.values.shape
         with torch.autocast(buf.values.device.type, enabled=False):
-            x, rho = buf.values[:, s], buf.scale[:, s]  # (n, d), (n,)
-            g = buf.dlogits[:, s, first:]  # (n, r')
-            gr = g * rho[:, None]
-            w = buf.queries[first - 1 :].to(x.dtype)
-            dv = torch.addmm(buf.dvalues[:, s], gr, w)
+            dv = buf.dvalues[:, s].clone()  # Σ_r p_rs ∂a_r, added by the reads' backward passes
             buf.dvalues[:, s].zero_()  # collected: a second backward through a retained graph adds from zero
-            c = _bdot(g, buf.logits[:, s, first:]).squeeze(-1) * rho.square() / d
-            dv.addcmul_(c[:, None], x, value=-1.0)
-            dq = None
-            if ctx.needs_input_grad[1]:
-                dq = torch.zeros_like(buf.queries)
-                dq[first - 1 :] = (gr.mT @ x).to(dq.dtype)
+            dq = add_logits_backward(buf, s, first, dv, ctx.needs_input_grad[1])
         dv = dv.view(buf.shape).to(ctx.v_dtype)
         return (dv if dv_in is None else dv.add_(dv_in)), dq, None, None
 
