@@ -317,7 +317,8 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> dict[str, Any]:
     return status
 
 
-def _git_revision() -> str | None:
+def git_revision() -> str | None:
+    """The checkout's commit, with ``-dirty`` when tracked files differ from it; None outside a git checkout."""
     try:
         root = Path(__file__).resolve().parent.parent
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
@@ -354,7 +355,7 @@ def environment() -> dict[str, Any]:
     return {
         "packages": versions,
         "python": platform.python_version(),
-        "git_revision": _git_revision(),
+        "git_revision": git_revision(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "devices": devices,

@@ -7,6 +7,7 @@ counts (known allocations, torch's FlopCounterMode, exponents of synthetic power
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -74,6 +75,8 @@ def test_quick_cli_writes_csv_plot_and_a_row_for_every_registered_variant(tmp_pa
     for name in variants.names():
         assert name in printed
     assert "target" in printed and "threads" in printed
+    meta = json.loads((out / "bench_meta.json").read_text())
+    assert meta["git_revision"] is None or len(meta["git_revision"].split("-")[0]) == 40  # which code was measured
 
 
 def test_ratios_and_rates_come_from_the_same_run(rng_seed):

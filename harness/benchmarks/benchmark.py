@@ -34,6 +34,7 @@ from harness.config import PRESETS, ModelConfig, model_preset
 from harness.errors import RunFailed, UsageError
 from harness.io import atomic_write_bytes, atomic_write_json, atomic_write_text, writable_dir
 from harness.model.factory import build_model
+from harness.rundir import git_revision
 
 BASELINE = "preln"
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
@@ -650,6 +651,7 @@ def bench(
         "steps_per_repeat": steps_per_repeat,
         "seed": seed,
         "torch": torch.__version__,
+        "git_revision": git_revision(),  # the code measured, for before/after comparisons across commits
         "cpu_count": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
         "loadavg_before": load_before,
