@@ -109,6 +109,11 @@ class DepthBuffers:
         self.dlogits: torch.Tensor | None = None  # [n, s, r], filled by the reads' backward passes
         self.dreads: torch.Tensor | None = None  # [n, r, d] = ∂a_r
 
+    @staticmethod
+    def first_reader(s: int) -> int:
+        """The first reader that needs source ``s``'s logit (reader 0 reads the embedding alone, with weight 1)."""
+        return max(s, 1)
+
     def backward_buffers(self) -> None:
         if self.dreads is None:
             n, S, d = self.values.shape
@@ -123,7 +128,7 @@ class FusedWrite(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v, queries, buf: DepthBuffers, s: int):
-        store_source(buf, v, queries, s, first=max(s, 1))  # reader 0 reads the embedding alone: no logits
+        store_source(buf, v, queries, s, first=buf.first_reader(s))
         ctx.buf, ctx.s, ctx.v_dtype = buf, s, v.dtype
         ctx.set_materialize_grads(False)  # the reads return None for their sources
         return v.view_as(v)
@@ -133,7 +138,7 @@ class FusedWrite(torch.autograd.Function):
     def backward(ctx, dv_in):
         buf, s = ctx.buf, ctx.s
         n, S, d = buf.values.shape
-        first = max(s, 1)
+        first = buf.first_reader(s)
         dq = None
         with torch.autocast(buf.values.device.type, enabled=False):
             if first < S and buf.dreads is not None:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from harness.registry import knob
-from variants.attnres import add_logits_backward, depth_attention, mix_dtype, rms_normalize, store_source
+from variants.attnres import FusedWrite, add_logits_backward, depth_attention, mix_dtype, rms_normalize
 from variants.base import DepthMixer, register
 from variants.ops import _bdot, rms_scale
 
@@ -60,17 +60,10 @@ class BlockBuffers:
             self.dvalues = torch.zeros_like(self.values)
 
 
-class BlockWrite(torch.autograd.Function):
-    """Identity on block sum ``s``; forward stores it and its logits for every later reader, backward collects
-    ``∂b_s = Σ_r p_rs ∂a_r + Σ_r g_rs (ρ_s w_r − ρ_s² ℓ_rs b_s / d)`` (``g`` the logits' gradients, ``ℓ`` the
-    logits) and the queries' share ``∂w_r = Σ_n g_rs ρ_s b_s`` once every read of it has run its backward."""
-
-    @staticmethod
-    def forward(ctx, v, queries, buf: BlockBuffers, s: int):
-        store_source(buf, v, queries, s, first=buf.first_reader(s))
-        ctx.buf, ctx.s, ctx.v_dtype = buf, s, v.dtype
-        ctx.set_materialize_grads(False)  # the reads return None for their sources
-        return v.view_as(v)
+class BlockWrite(FusedWrite):
+    """Identity on block sum ``s``, as ``FusedWrite`` is on an output: forward stores it and its logits for every
+    later reader; backward collects ``∂b_s`` and the queries' share from the row ``Σ_r p_rs ∂a_r`` that the reads'
+    backward passes added up, instead of from every reader's ``∂a_r``."""
 
     @staticmethod
     @once_differentiable
