@@ -1,4 +1,5 @@
-"""HC and mHC keep their ``n·d`` stream for backward at every ``segment``-th layer only (``StreamTape``).
+"""HC and mHC keep their ``n·d`` stream, and LDM with the outer-product write its residual ``x``, for backward at
+every ``segment``-th layer only (``variants/tape.py``).
 
 The recomputed streams must be the forward's to the bit, whatever the segment, and what autograd saves must
 shrink by exactly the streams not kept, without a reference cycle that would hold a step's memory past its
@@ -16,13 +17,16 @@ import torch.nn.functional as F
 
 from harness import build_model, model_preset
 from harness.benchmarks.benchmark import cpu_peak_allocated_bytes, saved_activation_bytes
-from variants import streams
+from variants import tape as tape_module
 
-SPECS = ["hc", "hc(dynamic=off)", "mhc", "mhc(expansion=3,sinkhorn_iters=4)"]
+SPECS = ["hc", "hc(dynamic=off)", "mhc", "mhc(expansion=3,sinkhorn_iters=4)", "ldm", "ldm(read=memory)", "ldm+chunk"]
 
 
 def _model(spec: str, n_blocks: int = 5):
+    spec, chunked = spec.removesuffix("+chunk"), spec.endswith("+chunk")
     model = build_model(model_preset("tiny", n_blocks=n_blocks), spec)
+    if chunked:  # the chunkwise read, which folds every 3 writes into a carried memory
+        model.mixer.chunk = 3
     with torch.no_grad():  # away from the initialization, where several connections are exactly trivial
         for p in model.mixer.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -43,7 +47,7 @@ def _loss_and_grads(model, idx, targets, *, segment, backward_twice=False):
 def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_stream(spec, rng_seed):
     model = _model(spec)  # L = 10 layers
     idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
-    assert model.mixer.segment() == 4  # the default: ⌈√10⌉
+    assert model.mixer.segment() == 4  # the default: ⌈√10⌉ streams X_0..X_9, ⌈√11⌉ residuals x_0..x_10 in LDM
     want_loss, want = _loss_and_grads(model, idx, targets, segment=1)
     for segment in (2, 3, None, 7, 10, 25):
         loss, got = _loss_and_grads(model, idx, targets, segment=segment)
@@ -59,12 +63,12 @@ def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_s
     assert all(torch.equal(g, w) for g, w in zip(hooked, want))
 
 
-@pytest.mark.parametrize("spec", ["hc", "mhc"])
-def test_autograd_saves_only_the_kept_streams(spec, rng_seed):
+@pytest.mark.parametrize(("spec", "recomputed"), [("hc", (7, 9)), ("mhc", (7, 9)), ("ldm", (8, 9))])
+def test_autograd_saves_only_the_kept_streams(spec, recomputed, rng_seed):
     model = _model(spec)
     b, t = 2, 16
     idx, targets = torch.randint(0, 512, (b, t)), torch.randint(0, 512, (b, t))
-    stream_bytes = b * t * model.mixer.n * model.cfg.d_model * 4
+    stream_bytes = b * t * getattr(model.mixer, "n", 1) * model.cfg.d_model * 4
 
     def saved(segment):
         model.mixer.stream_segment = segment
@@ -73,17 +77,34 @@ def test_autograd_saves_only_the_kept_streams(spec, rng_seed):
         return counted["bytes"]
 
     every = saved(1)
-    # L = 10, segments of 4: the streams before layers 0, 4 and 8 are kept, the other 7 recomputed. The count
-    # goes through the tape's hooks, so this also checks that they pass every other saved tensor on.
-    assert every - saved(4) == 7 * stream_bytes
-    assert every - saved(10) == 9 * stream_bytes
+    # L = 10, segments of 4: the streams before layers 0, 4 and 8 are kept, the other 7 recomputed (LDM: also the
+    # residual the head's query reads, x_10). The count goes through the tape's hooks, so this also checks that
+    # they pass every other saved tensor on.
+    assert every - saved(4) == recomputed[0] * stream_bytes
+    assert every - saved(10) == recomputed[1] * stream_bytes
 
 
-def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(rng_seed):
-    model = _model("mhc", n_blocks=8)  # L = 16: 4 of 16 streams kept, 3 recomputed at a time in backward
+@pytest.mark.parametrize("spec", ["ldm-rls", "ldm(qk_source=read)", "ldm(residual_write=off)", "ldm(read=residual)"])
+def test_ldm_keeps_every_residual_where_recomputing_it_would_not_save_memory(spec, rng_seed):
+    # RLS keeps only whitened values, so the raw outputs would have to be kept instead; the others never save x.
+    model = _model(spec)
+    assert model.mixer.init_state(torch.randn(2, 16, model.cfg.d_model, requires_grad=True)).tape is None
+    model = _model("ldm")
+    e = torch.randn(2, 16, model.cfg.d_model, requires_grad=True)
+    assert model.mixer.init_state(e).tape is not None
+    model.mixer.stream_segment = 1
+    assert model.mixer.init_state(e).tape is None
+    with torch.no_grad():
+        model.mixer.stream_segment = None
+        assert model.mixer.init_state(e).tape is None
+
+
+@pytest.mark.parametrize("spec", ["mhc", "ldm"])
+def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(spec, rng_seed):
+    model = _model(spec, n_blocks=8)  # L = 16: 4 of 16 streams kept (LDM: 4 of 17), 3 recomputed at a time
     b, t = 4, 64
     idx, targets = torch.randint(0, 512, (b, t)), torch.randint(0, 512, (b, t))
-    stream_bytes = b * t * model.mixer.n * model.cfg.d_model * 4
+    stream_bytes = b * t * getattr(model.mixer, "n", 1) * model.cfg.d_model * 4
 
     def peak(segment):
         model.mixer.stream_segment = segment
@@ -94,16 +115,17 @@ def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(rng_seed):
     assert peak(1) - peak(None) >= (16 - 4 - 3) * stream_bytes
 
 
-def test_the_tape_lives_no_longer_than_the_graph(monkeypatch, rng_seed):
+@pytest.mark.parametrize("spec", ["mhc", "ldm"])
+def test_the_tape_lives_no_longer_than_the_graph(spec, monkeypatch, rng_seed):
     tapes = []
-    init = streams.StreamTape.__init__
+    init = tape_module.Tape.__init__
 
-    def remember(self, segment):
-        init(self, segment)
+    def remember(self, segment, step):
+        init(self, segment, step)
         tapes.append(weakref.ref(self))
 
-    monkeypatch.setattr(streams.StreamTape, "__init__", remember)
-    model = _model("mhc")
+    monkeypatch.setattr(tape_module.Tape, "__init__", remember)
+    model = _model(spec)
     idx = torch.randint(0, 512, (2, 16))
     logits = model(idx)  # a forward whose graph is dropped without a backward
     assert tapes[-1]() is not None

@@ -23,7 +23,9 @@ Axes: b batch, t time, d width, g groups, v value width d/G, k key width d_k, l 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import operator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -38,6 +40,7 @@ from variants.base import DepthMixer, register
 from variants.depth_read import CarriedMemory, CarriedRead, Collected, DepthRead, Fold, WriteGradient
 from variants.layers import RMSNorm
 from variants.ops import rms_scale, unit
+from variants.tape import Tape, default_segment
 
 READS = ("residual+memory", "memory", "residual")
 NORM_EPS = 1e-6  # the mixer does not see the model's norm_eps; the decoder's default
@@ -85,6 +88,8 @@ class DualState(NamedTuple):
     raw: tuple = ()
     exact: tuple[torch.Tensor, torch.Tensor] | None = None
     carried: Carried | None = None
+    # With the outer-product write, the residual x for backward at every ``segment()``-th layer only (``LDM.tape``)
+    tape: Tape | None = None
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -141,12 +146,49 @@ def shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tenso
     product for all of them, each norm's gain folded into its first layer's weights.
 
     Under autograd the pass is recomputed in backward instead of keeping its normalized input and hidden layer
-    (three (b, t, d)-sized tensors per layer, the largest share of the mixer's saved memory); ``x`` is held by
-    the residual stream anyway. Recomputation repeats the same operations on the same inputs, so gradients are
-    unchanged."""
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for m in mlps for p in m.parameters())):
+    (three (b, t, d)-sized tensors per layer, the largest share of the mixer's saved memory). It keeps only ``x``,
+    through ``save_for_backward``, so that the residual stream's tape (``variants/tape.py``) can drop that too.
+    Recomputation repeats the same operations on the same inputs, so gradients are unchanged."""
+    params = [p for m in mlps for p in m.parameters()]
+    if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
+        return _shared_input_mlps(x, mlps)
+    if torch.compiler.is_compiling():
         return list(checkpoint(_shared_input_mlps, x, mlps, use_reentrant=False))
-    return _shared_input_mlps(x, mlps)
+    return list(_RecomputedMLPs.apply(x, mlps, *params))
+
+
+class _RecomputedMLPs(torch.autograd.Function):
+    """``_shared_input_mlps`` that saves only its input and runs again in backward. ``apply(x, mlps, *params)``
+    with ``params`` every MLP's parameters in ``parameters()`` order, so that autograd hands them their gradients."""
+
+    @staticmethod
+    def forward(ctx, x, mlps, *params):
+        ctx.mlps = mlps
+        ctx.save_for_backward(x)
+        return tuple(_shared_input_mlps(x, mlps))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *douts):
+        (x,) = ctx.saved_tensors
+        params = [p for m in ctx.mlps for p in m.parameters()]
+        need = ctx.needs_input_grad
+        # The recomputed pass's saved tensors live only in this backward: hooks around the forward (save_on_cpu, a
+        # meter of saved bytes) are not for them, so an innermost pair of hooks keeps them as they are.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _as_saved):
+            x = x.detach().requires_grad_(need[0])
+            outs = _shared_input_mlps(x, ctx.mlps)
+        used = [(o, g) for o, g in zip(outs, douts) if g is not None]
+        inputs = ([x] if need[0] else []) + [p for p, n in zip(params, need[2:]) if n]
+        if not used or not inputs:
+            return (None,) * len(need)
+        grads = iter(torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used], allow_unused=True))
+        dx = next(grads) if need[0] else None
+        return dx, None, *(next(grads) if n else None for n in need[2:])
+
+
+def _as_saved(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tensor]:
@@ -263,6 +305,8 @@ class LDM(DepthMixer):
         # Dual form: fold every `chunk` writes into a carried memory (0: never), where that is cheaper than
         # reading the writes one by one (``default_chunk``).
         self.chunk = default_chunk(n_layers + (cfg.read == "memory"), self.dk)
+        # Dual form: layers per checkpointed segment of the residual x (``tape``); None for ⌈√L⌉, 1 keeps every x.
+        self.stream_segment: int | None = None
         if not self.uses_memory:
             return  # read=residual is PreLN: no memory, no parameters, nothing to compute.
 
@@ -314,6 +358,36 @@ class LDM(DepthMixer):
         self.record("lambda", layer, lam)
         return k, omega, lam
 
+    def segment(self) -> int:
+        return self.stream_segment or default_segment(self.n_layers + 1)
+
+    def tape(self, e: torch.Tensor) -> Tape | None:
+        """The dual form's checkpoint of the residual stream, or None where it would not save memory.
+
+        The query and key MLPs read ``x_l`` and keep it for their backward, one (b, t, d) tensor per layer. With the
+        outer-product write every layer's output ``v_l`` is kept anyway (the reads need it), and ``x_{l+1} = x_l +
+        v_l``, so backward can recompute ``x`` from every ``segment()``-th one. Not with the RLS write, which keeps
+        only whitened values (the raw ``v_l`` would have to be kept instead of ``x``), nor where the MLPs read
+        the reads or ``x`` never changes; not under ``torch.compile``, which plans what it saves, nor without
+        gradients."""
+        cfg = self.cfg
+        if (
+            self.impl != "dual"
+            or self.rls
+            or not (self.uses_memory and cfg.residual_write and cfg.qk_source == "residual")
+            or self.segment() <= 1
+            or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        return Tape(self.segment(), operator.add)
+
+    @staticmethod
+    def _saving(state, layer: int):
+        """Where the MLPs read ``state.x``, the stream before ``layer``: saved through the tape, if there is one."""
+        tape = getattr(state, "tape", None)
+        return tape.saving(layer, state.x) if tape is not None else contextlib.nullcontext()
+
     def _qk_input(self, state) -> torch.Tensor:
         """What the query and key MLPs read now: the residual ``x``, or with ``qk_source=read`` the latest read, so
         that layer ``l``'s key comes from its input ``a_l`` and reader ``l``'s query from ``a_{l-1}``; before the
@@ -329,7 +403,8 @@ class LDM(DepthMixer):
         dt = torch.promote_types(value.dtype, torch.float32)
         with torch.autocast(device_type=value.device.type, enabled=False):
             pending = None if self.impl == "recurrent" else state.pending.pop(layer, None)
-            k, omega, lam = self._key(self._qk_input(state).to(dt), n, layer, pending)
+            with self._saving(state, max(layer, 0)):  # the embedding's own write (layer -1) reads x_0 = e
+                k, omega, lam = self._key(self._qk_input(state).to(dt), n, layer, pending)
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:
@@ -385,11 +460,13 @@ class LDM(DepthMixer):
                 q = self.queries[reader](src.to(dt))
             elif reader < self.n_layers and self.cfg.qk_source == "residual":
                 # This layer's write keys the same x: both MLPs in one pass, the key output kept for the write.
-                q, state.pending[reader] = shared_input_mlps(
-                    src.to(dt), [self.queries[reader], self.keys[reader + self.embed_write]]
-                )
+                with self._saving(state, reader):
+                    q, state.pending[reader] = shared_input_mlps(
+                        src.to(dt), [self.queries[reader], self.keys[reader + self.embed_write]]
+                    )
             else:
-                q = shared_input_mlps(src.to(dt), [self.queries[reader]])[0]
+                with self._saving(state, reader) if self.cfg.qk_source == "residual" else contextlib.nullcontext():
+                    q = shared_input_mlps(src.to(dt), [self.queries[reader]])[0]
             q = self._unit(q.unflatten(-1, (self.G, self.dk)))  # (b, t, g, k)
             self.record("q", reader, q)
             if self.impl == "recurrent":
@@ -417,7 +494,7 @@ class LDM(DepthMixer):
                 )
             state = LDMState(e, None, P, {})
         else:
-            state = DualState(e, alpha=self.cfg.alpha if self.rls else None, pending={})
+            state = DualState(e, alpha=self.cfg.alpha if self.rls else None, pending={}, tape=self.tape(e))
         if self.embed_write:
             # v_{-1} = e under a key from its own key MLP on e, before layer 0 (spec §5).
             state = self._next(state, e, self._write_memory(state, 0, -1, e))
@@ -436,6 +513,8 @@ class LDM(DepthMixer):
         return self._read(state, layer)
 
     def write(self, state, layer, out):
+        if getattr(state, "tape", None) is not None:
+            state.tape.writes[layer] = (out.detach(),)  # x_{l+1} = x_l + v_l, recomputed as written here
         x = state.x + out if self.cfg.residual_write else state.x
         if not self.uses_memory:
             return state._replace(x=x)

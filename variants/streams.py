@@ -12,19 +12,18 @@ connections' RMSNorm after their projection (``normalized_projection``) and, in 
 hand-written backward. ``reference`` is the plain form of all three; tests/test_fast_paths.py holds the fused one
 to it in float64, and docs/benchmarks.md has what each change saved.
 
-The fused path also checkpoints the stream (``StreamTape``). Every layer's read, connections and write need that
-layer's ``X`` in backward, ``n·d`` floats per token per layer, which was most of what HC and mHC held above PreLN.
-Autograd keeps ``X`` only at every ``segment``-th layer (``⌈√L⌉`` by default); the others are recomputed in
-backward, one segment at a time, from the nearest kept ``X`` and the writes ``X ← res X + post ⊗ v`` after it,
-whose ``res``, ``post`` and ``v`` autograd keeps anyway. The recomputation repeats the forward's own operations on
-the same inputs, so it is bit for bit the ``X`` of the forward pass.
+The fused path also checkpoints the stream (``StreamTape``, on ``variants/tape.py``). Every layer's read,
+connections and write need that layer's ``X`` in backward, ``n·d`` floats per token per layer, which was most of
+what HC and mHC held above PreLN. Autograd keeps ``X`` only at every ``segment``-th layer (``⌈√L⌉`` by default);
+the others are recomputed in backward, one segment at a time, from the nearest kept ``X`` and the writes
+``X ← res X + post ⊗ v`` after it, whose ``res``, ``post`` and ``v`` autograd keeps anyway. The recomputation
+repeats the forward's own operations on the same inputs, so it is bit for bit the ``X`` of the forward pass.
 Axes: b batch, t time, j and k streams, d width, s source.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Literal
 
 import torch
@@ -32,6 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer
 from variants.ops import rms_scale
+from variants.tape import Tape, default_segment
 
 
 def mix_dtype(x: torch.Tensor) -> torch.dtype:
@@ -90,76 +90,12 @@ class StreamWrite(torch.autograd.Function):
         return dres, dX, dpost, dv, None, None
 
 
-class _Recomputed:
-    """What autograd holds instead of a view of a layer's stream that the tape recomputes."""
-
-    __slots__ = ("tape", "layer", "size", "stride", "offset")
-
-    def __init__(self, tape, layer, view):
-        self.tape, self.layer = tape, layer
-        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
-
-
-class StreamTape:
-    """Keeps the stream ``X_l`` for backward at every ``segment``-th layer and recomputes the others.
-
-    While layer ``l``'s read and write run (``saving(l, X_l)``), saved-tensor hooks replace every tensor autograd
-    saves that is ``X_l`` or a view of it by a ``_Recomputed`` handle, except at the kept layers. In backward the
-    first handle of a segment recomputes that segment's streams from its kept ``X`` and the writes recorded by
-    ``StreamWrite``; the previous segment's are dropped, so backward holds one segment at a time. Hooks active
-    around the mixer (the benchmark's counter of saved bytes) still see every tensor that is saved.
-    """
+class StreamTape(Tape):
+    """The tape of the expanded stream: ``X_l`` kept at every ``segment``-th layer, the others recomputed by
+    ``stream_write`` from the ``(res, post, v)`` that ``StreamWrite`` records for each layer."""
 
     def __init__(self, segment: int):
-        self.segment = segment
-        self.kept: dict[int, torch.Tensor] = {}
-        self.writes: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.cache: dict[int, torch.Tensor] = {}
-        self._layer, self._storage = -1, None
-        self._outer = None
-
-    def saving(self, layer: int, X: torch.Tensor):
-        """A context in which autograd saves ``X`` (the stream before ``layer``) only if ``layer`` is kept."""
-        self._layer = layer
-        self._storage = X.untyped_storage().data_ptr()
-        if layer % self.segment == 0:
-            # Detached, as everything the tape holds: autograd's nodes hold the tape, which must not hold them.
-            self.kept[layer] = X.detach()
-        # Hooks pushed outside this one would be masked by it (only the innermost pair runs): pass tensors on.
-        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, t: torch.Tensor):
-        if self._layer not in self.kept and t.untyped_storage().data_ptr() == self._storage:
-            return _Recomputed(self, self._layer, t)
-        # Detached: a saved output must not hold its own graph (see torch.autograd.graph.saved_tensors_hooks).
-        return (self._outer[1], self._outer[0](t)) if self._outer else t.detach()
-
-    @staticmethod
-    def _unpack(packed):
-        if isinstance(packed, _Recomputed):
-            return packed.tape.stream(packed.layer).as_strided(packed.size, packed.stride, packed.offset)
-        if isinstance(packed, tuple):  # (the outer unpack hook, what the outer pack hook returned)
-            return packed[0](packed[1])
-        return packed
-
-    def stream(self, layer: int) -> torch.Tensor:
-        """``X_layer`` as the forward pass computed it."""
-        if layer in self.kept:
-            return self.kept[layer]
-        if layer not in self.cache:
-            start = layer - layer % self.segment
-            self.cache = {}  # free the segment backward has left before making the next
-            X = self.kept[start]
-            with torch.no_grad():
-                # The whole segment at once: backward asks for its streams from the top down.
-                for l in range(start, start + self.segment - 1):
-                    if l not in self.writes:
-                        break
-                    res, post, v = self.writes[l]
-                    X = stream_write(res, X, post, v)
-                    self.cache[l + 1] = X
-        return self.cache[layer]
+        super().__init__(segment, lambda X, res, post, v: stream_write(res, X, post, v))
 
 
 class ExpandedStream(DepthMixer):
@@ -172,7 +108,7 @@ class ExpandedStream(DepthMixer):
     stream_segment: int | None = None
 
     def segment(self) -> int:
-        return self.stream_segment or math.isqrt(self.n_layers - 1) + 1  # ⌈√L⌉
+        return self.stream_segment or default_segment(self.n_layers)
 
     def connections(self, X: torch.Tensor, layer: int):
         """``pre`` (b, t, k), ``res`` (b, t, j, k) and ``post`` (b, t, j) of ``layer`` for streams ``X``."""
