@@ -63,12 +63,13 @@ def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_s
     assert all(torch.equal(g, w) for g, w in zip(hooked, want))
 
 
-@pytest.mark.parametrize(("spec", "recomputed"), [("hc", (7, 9)), ("mhc", (7, 9)), ("ldm", (8, 9))])
-def test_autograd_saves_only_the_kept_streams(spec, recomputed, rng_seed):
+@pytest.mark.parametrize("spec", ["hc", "mhc"])
+def test_autograd_saves_only_the_kept_streams(spec, rng_seed):
+    # (LDM's residual is held by its query/key passes, not saved through autograd: the peak tests below see it.)
     model = _model(spec)
     b, t = 2, 16
     idx, targets = torch.randint(0, 512, (b, t)), torch.randint(0, 512, (b, t))
-    stream_bytes = b * t * getattr(model.mixer, "n", 1) * model.cfg.d_model * 4
+    stream_bytes = b * t * model.mixer.n * model.cfg.d_model * 4
 
     def saved(segment):
         model.mixer.stream_segment = segment
@@ -77,11 +78,10 @@ def test_autograd_saves_only_the_kept_streams(spec, recomputed, rng_seed):
         return counted["bytes"]
 
     every = saved(1)
-    # L = 10, segments of 4: the streams before layers 0, 4 and 8 are kept, the other 7 recomputed (LDM: also the
-    # residual the head's query reads, x_10). The count goes through the tape's hooks, so this also checks that
-    # they pass every other saved tensor on.
-    assert every - saved(4) == recomputed[0] * stream_bytes
-    assert every - saved(10) == recomputed[1] * stream_bytes
+    # L = 10, segments of 4: the streams before layers 0, 4 and 8 are kept, the other 7 recomputed. The count
+    # goes through the tape's hooks, so this also checks that they pass every other saved tensor on.
+    assert every - saved(4) == 7 * stream_bytes
+    assert every - saved(10) == 9 * stream_bytes
 
 
 @pytest.mark.parametrize("spec", ["ldm-rls", "ldm(qk_source=read)", "ldm(residual_write=off)", "ldm(read=residual)"])

@@ -143,48 +143,122 @@ class SmallMLP(nn.Module):
 
 def shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tensor]:
     """``[mlp(x) for mlp in mlps]``, for MLPs that all read ``x``: one RMS normalization and one first-layer
-    product for all of them, each norm's gain folded into its first layer's weights.
+    product for all of them, each norm's gain folded into its first layer's weights; under autograd recomputed
+    in backward (``MLPPass``)."""
+    return MLPPass(mlps).run(x)
 
-    Under autograd the pass is recomputed in backward instead of keeping its normalized input and hidden layer
-    (three (b, t, d)-sized tensors per layer, the largest share of the mixer's saved memory). It keeps only ``x``,
-    through ``save_for_backward``, so that the residual stream's tape (``variants/tape.py``) can drop that too.
-    Recomputation repeats the same operations on the same inputs, so gradients are unchanged."""
-    params = [p for m in mlps for p in m.parameters()]
-    if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
-        return _shared_input_mlps(x, mlps)
-    if torch.compiler.is_compiling():
-        return list(checkpoint(_shared_input_mlps, x, mlps, use_reentrant=False))
-    return list(_RecomputedMLPs.apply(x, mlps, *params))
+
+class MLPPass:
+    """One pass of query/key MLPs over one input (``_shared_input_mlps``), recomputed in backward at most once for
+    everything that needs it, instead of keeping its normalized input and hidden layer (three (b, t, d)-sized
+    tensors per layer, the largest share of the mixer's saved memory).
+
+    The pass keeps no tensor of its own for backward. Its input comes back from the residual stream's tape
+    (``variants/tape.py``) where the mixer has one, or is held here (the residual or a read, which the model holds
+    anyway). ``first`` (the query's normalization) runs inside the pass, so the read of the same layer need not
+    keep the query either: within ``keeping(q)`` autograd gets a handle for it. The first backward to need the
+    pass (that read's, or the pass's own) runs it again with autograd on, for both. Recomputation repeats the same
+    operations on the same inputs, so values and gradients are the forward's bit for bit."""
+
+    def __init__(self, mlps, first=None, tape: Tape | None = None, layer: int = 0):
+        self.mlps, self.first = mlps, first
+        self.tape, self.layer = tape, layer
+        self.x: torch.Tensor | None = None
+        self.dtype: torch.dtype | None = None
+        self.graph: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.recomputes = False
+        self._storage, self._outer = None, None
+
+    def _forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = _shared_input_mlps(x.to(self.dtype), self.mlps)
+        if self.first is not None:
+            outs[0] = self.first(outs[0])
+        return outs
+
+    def run(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """The MLPs' outputs on ``x`` taken in ``dtype`` (``x``'s own by default), the first through ``first``."""
+        self.dtype = dtype or x.dtype
+        params = [p for m in self.mlps for p in m.parameters()]
+        if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
+            return self._forward(x)
+        if torch.compiler.is_compiling():
+            return list(checkpoint(self._forward, x, use_reentrant=False))
+        if self.tape is not None:
+            self.tape.keep(self.layer, x)
+        else:
+            self.x = x.detach()  # the residual or a read, which the model holds anyway
+        self.recomputes = True
+        return list(_RecomputedMLPs.apply(x, self, *params))
+
+    def recomputed(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The input (a leaf) and the outputs of the pass run again with autograd on, until its backward used them."""
+        if self.graph is None:
+            x = self.tape.stream(self.layer) if self.tape is not None else self.x
+            # The recomputation's saved tensors live only in this backward: hooks around the forward (save_on_cpu,
+            # a meter of saved bytes) are not for them, so an innermost pair of hooks keeps them as they are.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _as_saved):
+                x = x.detach().requires_grad_()
+                self.graph = (x, self._forward(x))
+        return self.graph
+
+    def keeping(self, q: torch.Tensor):
+        """A context in which autograd keeps ``q``, this pass's first output, as a handle to its recomputation."""
+        if not self.recomputes:
+            return contextlib.nullcontext()
+        self._storage = q.untyped_storage().data_ptr()
+        # Hooks pushed outside this one would be masked by it (only the innermost pair runs): pass tensors on.
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == self._storage:
+            return _Query(self, t)
+        # Detached: a saved output must not hold its own graph (see torch.autograd.graph.saved_tensors_hooks).
+        return (self._outer[1], self._outer[0](t)) if self._outer else t.detach()
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, _Query):
+            q = packed.mlp_pass.recomputed()[1][0].detach()
+            return q.as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, tuple):  # (the outer unpack hook, what the outer pack hook returned)
+            return packed[0](packed[1])
+        return packed
+
+
+class _Query:
+    """What autograd holds instead of a query that ``MLPPass`` recomputes."""
+
+    __slots__ = ("mlp_pass", "size", "stride", "offset")
+
+    def __init__(self, mlp_pass, view):
+        self.mlp_pass = mlp_pass
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
 
 
 class _RecomputedMLPs(torch.autograd.Function):
-    """``_shared_input_mlps`` that saves only its input and runs again in backward. ``apply(x, mlps, *params)``
-    with ``params`` every MLP's parameters in ``parameters()`` order, so that autograd hands them their gradients."""
+    """``MLPPass``'s node: ``apply(x, mlp_pass, *params)`` with ``params`` every MLP's parameters in ``parameters()``
+    order, so that autograd hands them their gradients. It saves nothing; backward takes the recomputed pass."""
 
     @staticmethod
-    def forward(ctx, x, mlps, *params):
-        ctx.mlps = mlps
-        ctx.save_for_backward(x)
-        return tuple(_shared_input_mlps(x, mlps))
+    def forward(ctx, x, mlp_pass, *params):
+        ctx.mlp_pass = mlp_pass
+        return tuple(mlp_pass._forward(x))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *douts):
-        (x,) = ctx.saved_tensors
-        params = [p for m in ctx.mlps for p in m.parameters()]
-        need = ctx.needs_input_grad
-        # The recomputed pass's saved tensors live only in this backward: hooks around the forward (save_on_cpu, a
-        # meter of saved bytes) are not for them, so an innermost pair of hooks keeps them as they are.
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _as_saved):
-            x = x.detach().requires_grad_(need[0])
-            outs = _shared_input_mlps(x, ctx.mlps)
+        mlp_pass, need = ctx.mlp_pass, ctx.needs_input_grad
+        x, outs = mlp_pass.recomputed()
+        mlp_pass.graph = None  # used: a second backward through a retained graph recomputes it
+        params = [p for m in mlp_pass.mlps for p in m.parameters()]
         used = [(o, g) for o, g in zip(outs, douts) if g is not None]
-        inputs = ([x] if need[0] else []) + [p for p, n in zip(params, need[2:]) if n]
-        if not used or not inputs:
+        inputs = [x] + [p for p, n in zip(params, need[2:]) if n]
+        if not used:
             return (None,) * len(need)
         grads = iter(torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used], allow_unused=True))
-        dx = next(grads) if need[0] else None
-        return dx, None, *(next(grads) if n else None for n in need[2:])
+        dx = next(grads)
+        return dx if need[0] else None, None, *(next(grads) if n else None for n in need[2:])
 
 
 def _as_saved(t: torch.Tensor) -> torch.Tensor:
@@ -341,12 +415,20 @@ class LDM(DepthMixer):
         """Unit vectors per group; the recurrent reference keeps the plain ``F.normalize``."""
         return F.normalize(z, dim=-1) if self.impl == "recurrent" else unit(z)
 
-    def _key(self, x: torch.Tensor, n: int, layer: int, z: torch.Tensor | None = None) -> tuple:
-        """Key (b, t, g, k), importance ω (b, t, g) and forgetting λ (g,) of write ``n``, from ``x`` in float32+
-        (or from its key MLP's output ``z``, when a read computed that already)."""
+    def _query(self, z: torch.Tensor) -> torch.Tensor:
+        """A query MLP's output as unit vectors per group, (b, t, g, k)."""
+        return self._unit(z.unflatten(-1, (self.G, self.dk)))
+
+    def _key(self, state, n: int, layer: int, dt: torch.dtype, z: torch.Tensor | None = None) -> tuple:
+        """Key (b, t, g, k), importance ω (b, t, g) and forgetting λ (g,) of write ``n``, from ``_qk_input`` in
+        ``dt`` (or from its key MLP's output ``z``, when a read computed that already)."""
         G, dk = self.G, self.dk
         if z is None:
-            z = self.keys[n](x) if self.impl == "recurrent" else shared_input_mlps(x, [self.keys[n]])[0]
+            x = self._qk_input(state)
+            if self.impl == "recurrent":
+                z = self.keys[n](x.to(dt))
+            else:  # the embedding's own write (layer -1) reads x_0 = e
+                z = self._mlp_pass(state, [self.keys[n]], max(layer, 0)).run(x, dt)[0]
         # z: (b, t, g*k [+ g])
         k = self._unit(z[..., : G * dk].unflatten(-1, (G, dk)))  # (b, t, g, k)
         self.record("k", layer, k)
@@ -382,11 +464,10 @@ class LDM(DepthMixer):
             return None
         return Tape(self.segment(), operator.add)
 
-    @staticmethod
-    def _saving(state, layer: int):
-        """Where the MLPs read ``state.x``, the stream before ``layer``: saved through the tape, if there is one."""
-        tape = getattr(state, "tape", None)
-        return tape.saving(layer, state.x) if tape is not None else contextlib.nullcontext()
+    def _mlp_pass(self, state, mlps, layer: int, first=None) -> MLPPass:
+        """The dual form's pass of ``mlps`` over ``_qk_input`` before ``layer``, through the tape where there is one."""
+        tape = state.tape if self.cfg.qk_source == "residual" else None
+        return MLPPass(mlps, first, tape, layer)
 
     def _qk_input(self, state) -> torch.Tensor:
         """What the query and key MLPs read now: the residual ``x``, or with ``qk_source=read`` the latest read, so
@@ -403,8 +484,7 @@ class LDM(DepthMixer):
         dt = torch.promote_types(value.dtype, torch.float32)
         with torch.autocast(device_type=value.device.type, enabled=False):
             pending = None if self.impl == "recurrent" else state.pending.pop(layer, None)
-            with self._saving(state, max(layer, 0)):  # the embedding's own write (layer -1) reads x_0 = e
-                k, omega, lam = self._key(self._qk_input(state).to(dt), n, layer, pending)
+            k, omega, lam = self._key(state, n, layer, dt, pending)
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:
@@ -456,28 +536,31 @@ class LDM(DepthMixer):
         src = self._qk_input(state)
         dt = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
+            keeping = contextlib.nullcontext()
             if self.impl == "recurrent":
-                q = self.queries[reader](src.to(dt))
-            elif reader < self.n_layers and self.cfg.qk_source == "residual":
-                # This layer's write keys the same x: both MLPs in one pass, the key output kept for the write.
-                with self._saving(state, reader):
-                    q, state.pending[reader] = shared_input_mlps(
-                        src.to(dt), [self.queries[reader], self.keys[reader + self.embed_write]]
-                    )
+                q = self._query(self.queries[reader](src.to(dt)))
             else:
-                with self._saving(state, reader) if self.cfg.qk_source == "residual" else contextlib.nullcontext():
-                    q = shared_input_mlps(src.to(dt), [self.queries[reader]])[0]
-            q = self._unit(q.unflatten(-1, (self.G, self.dk)))  # (b, t, g, k)
-            self.record("q", reader, q)
+                mlps = [self.queries[reader]]
+                shared = reader < self.n_layers and self.cfg.qk_source == "residual"
+                if shared:  # this layer's write keys the same x: both MLPs in one pass, the key kept for the write
+                    mlps.append(self.keys[reader + self.embed_write])
+                mlp_pass = self._mlp_pass(state, mlps, reader, first=self._query)
+                q, *key = mlp_pass.run(src, dt)
+                if shared:
+                    state.pending[reader] = key[0]
+                keeping = mlp_pass.keeping(q)  # the read's backward gets q from the pass's recomputation
+            self.record("q", reader, q)  # (b, t, g, k)
             if self.impl == "recurrent":
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
             elif state.exact is not None:
                 m = torch.einsum("btgvk,btgk->btgv", state.exact[0], q.double()).to(dt)
             elif state.carried is not None:
                 memory, token = state.carried
-                m = CarriedRead.apply(q, memory, token, state.grads, *state.keys, *state.values)
+                with keeping:
+                    m = CarriedRead.apply(q, memory, token, state.grads, *state.keys, *state.values)
             else:
-                m = DepthRead.apply(q, state.grads, *state.keys, *state.values)
+                with keeping:
+                    m = DepthRead.apply(q, state.grads, *state.keys, *state.values)
             m = m.flatten(-2)  # (b, t, g, v) -> (b, t, d)
             self.record("read", reader, m)
         m = m.to(x.dtype)

@@ -55,12 +55,16 @@ class Tape:
         """A context in which autograd saves ``X`` (the stream before ``layer``) only if ``layer`` is kept."""
         self._layer = layer
         self._storage = X.untyped_storage().data_ptr()
-        if layer % self.segment == 0:
-            # Detached, as everything the tape holds: autograd's nodes hold the tape, which must not hold them.
-            self.kept[layer] = X.detach()
+        self.keep(layer, X)
         # Hooks pushed outside this one would be masked by it (only the innermost pair runs): pass tensors on.
         self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def keep(self, layer: int, X: torch.Tensor) -> None:
+        """Keep ``X``, the stream before ``layer``, if ``layer`` is one the tape keeps; ``stream`` gives it back."""
+        if layer % self.segment == 0:
+            # Detached, as everything the tape holds: autograd's nodes hold the tape, which must not hold them.
+            self.kept[layer] = X.detach()
 
     def _pack(self, t: torch.Tensor):
         if self._layer not in self.kept and t.untyped_storage().data_ptr() == self._storage:

@@ -1,0 +1,99 @@
+"""LDM's dual form keeps no query for backward: each layer's query/key pass (``MLPPass``) is recomputed once in
+backward, and the read of the same layer takes its query from that recomputation.
+
+Values and gradients must be the forward's to the bit, with and without the handle, for every write and read
+form, through a second backward and under a caller's saved-tensor hooks; and the peak memory of a step must fall
+by the queries no longer kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import build_model, model_preset
+from harness.benchmarks.benchmark import cpu_peak_allocated_bytes
+from variants import ldm as ldm_module
+
+SPECS = ["ldm", "ldm-rls", "ldm(read=memory)", "ldm(qk_source=read)", "ldm(residual_write=off)", "ldm+chunk"]
+
+
+def _model(spec: str, n_blocks: int = 5):
+    spec, chunked = spec.removesuffix("+chunk"), spec.endswith("+chunk")
+    model = build_model(model_preset("tiny", n_blocks=n_blocks), spec)
+    if chunked:
+        model.mixer.chunk = 3
+    with torch.no_grad():  # away from the initialization
+        for p in model.mixer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def _keep_queries(monkeypatch):
+    """Reads keep their query as autograd would, instead of the handle to the recomputation."""
+    monkeypatch.setattr(ldm_module.MLPPass, "keeping", lambda self, q: contextlib.nullcontext())
+
+
+def _loss_and_grads(model, idx, targets, *, twice=False):
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+    loss.backward(retain_graph=twice)
+    if twice:
+        loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_recomputed_queries_give_the_forward_and_gradients_of_kept_ones(spec, monkeypatch, rng_seed):
+    model = _model(spec)
+    idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+    loss, got = _loss_and_grads(model, idx, targets)
+    _, twice = _loss_and_grads(model, idx, targets, twice=True)
+    with torch.autograd.graph.save_on_cpu():
+        _, hooked = _loss_and_grads(model, idx, targets)
+    with monkeypatch.context() as m:
+        _keep_queries(m)
+        want_loss, want = _loss_and_grads(model, idx, targets)
+    assert torch.equal(loss, want_loss)
+    for g, w, t, h in zip(got, want, twice, hooked):
+        assert torch.equal(g, w)
+        assert torch.equal(h, w)
+        torch.testing.assert_close(t, 2 * w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec", ["ldm", "ldm-rls"])
+def test_peak_memory_of_a_step_falls_with_the_queries_not_kept(spec, monkeypatch, rng_seed):
+    model = _model(spec, n_blocks=8)  # L = 16: readers 1..16 each made a query
+    b, t = 4, 64
+    idx, targets = torch.randint(0, 512, (b, t)), torch.randint(0, 512, (b, t))
+    mixer = model.mixer
+    query_bytes = b * t * mixer.G * mixer.dk * 4
+
+    def peak():
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        return cpu_peak_allocated_bytes(lambda: F.cross_entropy(model(idx).flatten(0, 1), targets.flatten()).backward())
+
+    recomputed = peak()
+    with monkeypatch.context() as m:
+        _keep_queries(m)
+        kept = peak()
+    # At the peak (the start of backward) every reader's query was held; now one is recomputed at a time.
+    assert kept - recomputed >= 12 * query_bytes
+
+
+def test_a_pass_without_autograd_keeps_nothing(rng_seed):
+    model = _model("ldm")
+    with torch.no_grad():
+        state = model.mixer.init_state(torch.randn(2, 16, model.cfg.d_model))
+        model.mixer.read(state, 0)
+        state = model.mixer.write(state, 0, torch.randn(2, 16, model.cfg.d_model))
+    assert state.tape is None
+    mlp_pass = ldm_module.MLPPass([model.mixer.queries[1]])
+    with torch.no_grad():
+        mlp_pass.run(torch.randn(2, 16, model.cfg.d_model))
+    assert mlp_pass.x is None and mlp_pass.graph is None and not mlp_pass.recomputes
