@@ -1,5 +1,6 @@
-"""LDM's dual form keeps no query for backward: each layer's query/key pass (``MLPPass``) is recomputed once in
-backward, and the read of the same layer takes its query from that recomputation.
+"""LDM's dual form keeps no query for backward, and LDM-RLS no raw key: each layer's query/key pass (``MLPPass``)
+is recomputed once in backward, and the read (and RLS's whitening) of the same layer take their query (and raw
+key) from that recomputation.
 
 Values and gradients must be the forward's to the bit, with and without the handle, for every write and read
 form, through a second backward and under a caller's saved-tensor hooks; and the peak memory of a step must fall

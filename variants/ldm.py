@@ -155,28 +155,28 @@ class MLPPass:
 
     The pass keeps no tensor of its own for backward. Its input comes back from the residual stream's tape
     (``variants/tape.py``) where the mixer has one, or is held here (the residual or a read, which the model holds
-    anyway). ``first`` (the query's normalization) runs inside the pass, so the read of the same layer need not
-    keep the query either: within ``keeping(q)`` autograd gets a handle for it. The first backward to need the
-    pass (that read's, or the pass's own) runs it again with autograd on, for both. Recomputation repeats the same
-    operations on the same inputs, so values and gradients are the forward's bit for bit."""
+    anyway). ``finish`` (the normalization of queries and keys) runs inside the pass, so the nodes of the same
+    layer that use its outputs need not keep them either: within ``keeping(t)`` autograd gets a handle for output
+    ``t``. The first backward to need the pass (the read's, the whitening's, or the pass's own) runs it again with
+    autograd on, for all of them. Recomputation repeats the same operations on the same inputs, so values and
+    gradients are the forward's bit for bit."""
 
-    def __init__(self, mlps, first=None, tape: Tape | None = None, layer: int = 0):
-        self.mlps, self.first = mlps, first
+    def __init__(self, mlps, finish=None, tape: Tape | None = None, layer: int = 0):
+        self.mlps, self.finish = mlps, finish
         self.tape, self.layer = tape, layer
         self.x: torch.Tensor | None = None
         self.dtype: torch.dtype | None = None
         self.graph: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self.recomputes = False
-        self._storage, self._outer = None, None
+        self._outputs: list[int] = []  # the outputs' storages, by position
+        self._storage, self._index, self._outer = None, 0, None
 
     def _forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         outs = _shared_input_mlps(x.to(self.dtype), self.mlps)
-        if self.first is not None:
-            outs[0] = self.first(outs[0])
-        return outs
+        return outs if self.finish is None else self.finish(outs)
 
     def run(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """The MLPs' outputs on ``x`` taken in ``dtype`` (``x``'s own by default), the first through ``first``."""
+        """The MLPs' outputs on ``x`` taken in ``dtype`` (``x``'s own by default), through ``finish``."""
         self.dtype = dtype or x.dtype
         params = [p for m in self.mlps for p in m.parameters()]
         if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
@@ -188,7 +188,9 @@ class MLPPass:
         else:
             self.x = x.detach()  # the residual or a read, which the model holds anyway
         self.recomputes = True
-        return list(_RecomputedMLPs.apply(x, self, *params))
+        outs = list(_RecomputedMLPs.apply(x, self, *params))
+        self._outputs = [o.untyped_storage().data_ptr() for o in outs]
+        return outs
 
     def recomputed(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The input (a leaf) and the outputs of the pass run again with autograd on, until its backward used them."""
@@ -201,38 +203,39 @@ class MLPPass:
                 self.graph = (x, self._forward(x))
         return self.graph
 
-    def keeping(self, q: torch.Tensor):
-        """A context in which autograd keeps ``q``, this pass's first output, as a handle to its recomputation."""
+    def keeping(self, t: torch.Tensor):
+        """A context in which autograd keeps ``t``, an output of this pass, as a handle to its recomputation."""
         if not self.recomputes:
             return contextlib.nullcontext()
-        self._storage = q.untyped_storage().data_ptr()
+        self._storage = t.untyped_storage().data_ptr()
+        self._index = self._outputs.index(self._storage)
         # Hooks pushed outside this one would be masked by it (only the innermost pair runs): pass tensors on.
         self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
         if t.untyped_storage().data_ptr() == self._storage:
-            return _Query(self, t)
+            return _Output(self, self._index, t)
         # Detached: a saved output must not hold its own graph (see torch.autograd.graph.saved_tensors_hooks).
         return (self._outer[1], self._outer[0](t)) if self._outer else t.detach()
 
     @staticmethod
     def _unpack(packed):
-        if isinstance(packed, _Query):
-            q = packed.mlp_pass.recomputed()[1][0].detach()
-            return q.as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, _Output):
+            out = packed.mlp_pass.recomputed()[1][packed.index].detach()
+            return out.as_strided(packed.size, packed.stride, packed.offset)
         if isinstance(packed, tuple):  # (the outer unpack hook, what the outer pack hook returned)
             return packed[0](packed[1])
         return packed
 
 
-class _Query:
-    """What autograd holds instead of a query that ``MLPPass`` recomputes."""
+class _Output:
+    """What autograd holds instead of an output of ``MLPPass`` (a query or a key) that the pass recomputes."""
 
-    __slots__ = ("mlp_pass", "size", "stride", "offset")
+    __slots__ = ("mlp_pass", "index", "size", "stride", "offset")
 
-    def __init__(self, mlp_pass, view):
-        self.mlp_pass = mlp_pass
+    def __init__(self, mlp_pass, index, view):
+        self.mlp_pass, self.index = mlp_pass, index
         self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
 
 
@@ -419,26 +422,39 @@ class LDM(DepthMixer):
         """A query MLP's output as unit vectors per group, (b, t, g, k)."""
         return self._unit(z.unflatten(-1, (self.G, self.dk)))
 
-    def _key(self, state, n: int, layer: int, dt: torch.dtype, z: torch.Tensor | None = None) -> tuple:
-        """Key (b, t, g, k), importance ω (b, t, g) and forgetting λ (g,) of write ``n``, from ``_qk_input`` in
-        ``dt`` (or from its key MLP's output ``z``, when a read computed that already)."""
+    def _key_parts(self, z: torch.Tensor) -> list[torch.Tensor]:
+        """A key MLP's output ``z`` (b, t, g*k [+ g]) as the key, unit vectors per group (b, t, g, k), and with ω
+        the raw ω outputs (b, t, g)."""
         G, dk = self.G, self.dk
-        if z is None:
+        k = self._unit(z[..., : G * dk].unflatten(-1, (G, dk)))
+        return [k, z[..., G * dk :]] if self.omega_on else [k]
+
+    def _finish_read(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The read's pass: the query, then the parts of the key of the same layer's write, if the pass made it."""
+        return [self._query(outs[0]), *(self._key_parts(outs[1]) if len(outs) > 1 else ())]
+
+    def _key(self, state, n: int, layer: int, dt: torch.dtype, pending: tuple | None = None) -> tuple:
+        """Key (b, t, g, k), importance ω (b, t, g) and forgetting λ (g,) of write ``n``, from ``_qk_input`` in
+        ``dt`` (or ``pending``: the pass of a read that computed it already, and the key's parts), and the pass
+        that made it (None in the recurrent form)."""
+        if pending is None:
             x = self._qk_input(state)
             if self.impl == "recurrent":
-                z = self.keys[n](x.to(dt))
+                mlp_pass, parts = None, self._key_parts(self.keys[n](x.to(dt)))
             else:  # the embedding's own write (layer -1) reads x_0 = e
-                z = self._mlp_pass(state, [self.keys[n]], max(layer, 0)).run(x, dt)[0]
-        # z: (b, t, g*k [+ g])
-        k = self._unit(z[..., : G * dk].unflatten(-1, (G, dk)))  # (b, t, g, k)
+                mlp_pass = self._mlp_pass(state, [self.keys[n]], max(layer, 0), finish=lambda o: self._key_parts(o[0]))
+                parts = mlp_pass.run(x, dt)
+        else:
+            mlp_pass, parts = pending
+        k = parts[0]
         self.record("k", layer, k)
         if not self.rls:
-            return k, None, None
-        omega = rls.importance_weight(z[..., G * dk :]) if self.omega_on else torch.ones_like(k[..., 0])
+            return k, None, None, mlp_pass
+        omega = rls.importance_weight(parts[1]) if self.omega_on else torch.ones_like(k[..., 0])
         lam = self._lambda(n, k)
         self.record("omega", layer, omega)
         self.record("lambda", layer, lam)
-        return k, omega, lam
+        return k, omega, lam, mlp_pass
 
     def segment(self) -> int:
         return self.stream_segment or default_segment(self.n_layers + 1)
@@ -464,10 +480,10 @@ class LDM(DepthMixer):
             return None
         return Tape(self.segment(), operator.add)
 
-    def _mlp_pass(self, state, mlps, layer: int, first=None) -> MLPPass:
+    def _mlp_pass(self, state, mlps, layer: int, finish) -> MLPPass:
         """The dual form's pass of ``mlps`` over ``_qk_input`` before ``layer``, through the tape where there is one."""
         tape = state.tape if self.cfg.qk_source == "residual" else None
-        return MLPPass(mlps, first, tape, layer)
+        return MLPPass(mlps, finish, tape, layer)
 
     def _qk_input(self, state) -> torch.Tensor:
         """What the query and key MLPs read now: the residual ``x``, or with ``qk_source=read`` the latest read, so
@@ -484,7 +500,7 @@ class LDM(DepthMixer):
         dt = torch.promote_types(value.dtype, torch.float32)
         with torch.autocast(device_type=value.device.type, enabled=False):
             pending = None if self.impl == "recurrent" else state.pending.pop(layer, None)
-            k, omega, lam = self._key(state, n, layer, dt, pending)
+            k, omega, lam, mlp_pass = self._key(state, n, layer, dt, pending)
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:
@@ -499,7 +515,9 @@ class LDM(DepthMixer):
                     exact = rls.rls_write(*state.exact, k.double(), v.double(), lam.double(), omega.double())
                     return state.keys, state.values, decay, state.grads, raw, exact, state.carried
                 ridge = rls.ridge_diagonal(decay, omega, self.cfg.alpha)
-                k, v, margin = rls.whiten(k, v, ridge, state.keys, state.values, state.grads, state.carried)
+                # The raw key is the whitening's alone (reads use the whitened one): its backward recomputes it.
+                with mlp_pass.keeping(k):
+                    k, v, margin = rls.whiten(k, v, ridge, state.keys, state.values, state.grads, state.carried)
                 if margin < rls.min_margin(k.dtype):
                     # This write's δ² cancelled below the precision: the exact recursion from here on.
                     exact = rls.replay(raw, self.cfg.alpha)
@@ -544,10 +562,10 @@ class LDM(DepthMixer):
                 shared = reader < self.n_layers and self.cfg.qk_source == "residual"
                 if shared:  # this layer's write keys the same x: both MLPs in one pass, the key kept for the write
                     mlps.append(self.keys[reader + self.embed_write])
-                mlp_pass = self._mlp_pass(state, mlps, reader, first=self._query)
+                mlp_pass = self._mlp_pass(state, mlps, reader, finish=self._finish_read)
                 q, *key = mlp_pass.run(src, dt)
                 if shared:
-                    state.pending[reader] = key[0]
+                    state.pending[reader] = (mlp_pass, key)
                 keeping = mlp_pass.keeping(q)  # the read's backward gets q from the pass's recomputation
             self.record("q", reader, q)  # (b, t, g, k)
             if self.impl == "recurrent":
