@@ -202,15 +202,16 @@ class CarriedMemory:
         # Detached, as in ``fold``.
         self.pending.setdefault((phase, name), []).append((a.detach(), b.detach()))
 
-    def gradient(self, phase: int, name: str) -> torch.Tensor:
-        """``∂L/∂`` memory ``name`` after fold ``phase``: what its uses owe plus what later folds handed on."""
+    def gradient(self, phase: int, name: str) -> torch.Tensor | None:
+        """``∂L/∂`` memory ``name`` after fold ``phase``: what its uses owe plus what later folds handed on; None
+        where nothing used it (RLS's Gram matrix after the last write, which only reads follow)."""
         later = self.grad.pop(name, None) if phase < self.folds - 1 else None
         owed = self.pending.pop((phase, name), [])
         if owed:
             a = torch.stack([a for a, _ in owed], -1)  # (B, r, uses)
             b = torch.stack([b for _, b in owed], -2)  # (B, uses, c)
             return torch.bmm(a, b) if later is None else later.baddbmm_(a, b)
-        return later if later is not None else torch.zeros_like(getattr(self, name))
+        return later
 
 
 class Fold(torch.autograd.Function):
@@ -237,13 +238,16 @@ class Fold(torch.autograd.Function):
         memory.at(phase)
         K, V = _stacked(writes[:n], writes[n:])
         G = memory.gradient(phase, "M")  # (B, v, k)
+        if G is None:
+            G = torch.zeros_like(memory.M)
         dK = torch.bmm(V.mT, G)  # Gᵀ v_i, (B, n, k)
         dV = torch.bmm(G, K.mT)  # G k_i, (B, v, n)
         grads = {"M": G}
         if memory.gram:
             GS = memory.gradient(phase, "S")  # (B, k, k)
-            dK.baddbmm_(K, GS + GS.mT)  # (G_S + G_Sᵀ) k_i
-            grads["S"] = GS
+            if GS is not None:
+                dK.baddbmm_(K, GS).baddbmm_(K, GS.mT)  # (G_S + G_Sᵀ) k_i, without a (B, k, k) temporary
+                grads["S"] = GS
         # The memories before this fold, for the uses between the previous fold and this one; this fold's are the
         # previous ones plus its writes, so the gradients pass on unchanged.
         memory._add(K, V, alpha=-1.0)
