@@ -207,10 +207,12 @@ class _CarriedWhiten(torch.autograd.Function):
         n = len(writes) // 2
         r = ridge.unsqueeze(-1)
         total = _bdot(k, k) + r
-        column = k.reshape(-1, k.shape[-1], 1)
-        Sk = torch.bmm(memory.S, column).view_as(k)
+        # [M k; S k] as one row-vector product on the memories' shared buffer (``CarriedMemory``).
+        MSk = torch.bmm(k.reshape(-1, 1, k.shape[-1]), memory.MS.mT).view(*k.shape[:-1], -1)
+        Mk, Sk = MSk.split([v.shape[-1], k.shape[-1]], dim=-1)
+        Sk = Sk.contiguous()  # saved for backward: not as a view that would keep M k alive too
         k_rest = k - Sk
-        v_rest = v - torch.bmm(memory.M, column).view_as(v)
+        v_rest = v - Mk
         sq = total - _bdot(k, Sk)
         coeffs = [_bdot(kj, k) for kj in writes[:n]]
         for c, kj, vj in zip(coeffs, writes[:n], writes[n:]):
@@ -240,8 +242,7 @@ class _CarriedWhiten(torch.autograd.Function):
         dk = torch.addcmul(dkr, k - Sk, dsq, value=2.0)
         B = k.numel() // k.shape[-1]  # tokens × groups, the batch of the carried products
         k_flat = k.reshape(B, -1)
-        dk -= torch.bmm(memory.S.mT, dkr.reshape(B, -1, 1)).view_as(k)
-        dk -= torch.bmm(memory.M.mT, dvr.reshape(B, -1, 1)).view_as(k)
+        dk -= torch.bmm(torch.cat([dvr, dkr], -1).reshape(B, 1, -1), memory.MS).view_as(k)  # Mᵀ ∂ṽ + Sᵀ ∂k̃
         memory.owe(phase, "S", torch.addcmul(dkr, k, dsq).neg_().reshape(B, -1), k_flat)
         memory.owe(phase, "M", dvr.neg().reshape(B, -1), k_flat)
         dkeys, dvalues = _projections_backward(dk, dkr, dvr, dsq, k, coeffs, keys, values, ctx.grads)
