@@ -459,7 +459,7 @@ class LDM(DepthMixer):
     def segment(self) -> int:
         return self.stream_segment or default_segment(self.n_layers + 1)
 
-    def tape(self, e: torch.Tensor) -> Tape | None:
+    def tape(self) -> Tape | None:
         """The dual form's checkpoint of the residual stream, or None where it would not save memory.
 
         The query and key MLPs read ``x_l`` and keep it for their backward, one (b, t, d) tensor per layer. With the
@@ -595,7 +595,7 @@ class LDM(DepthMixer):
                 )
             state = LDMState(e, None, P, {})
         else:
-            state = DualState(e, alpha=self.cfg.alpha if self.rls else None, pending={}, tape=self.tape(e))
+            state = DualState(e, alpha=self.cfg.alpha if self.rls else None, pending={}, tape=self.tape())
         if self.embed_write:
             # v_{-1} = e under a key from its own key MLP on e, before layer 0 (spec §5).
             state = self._next(state, e, self._write_memory(state, 0, -1, e))
