@@ -155,9 +155,9 @@ class CarriedMemory:
     ``(∂m, q)``), for one batched product instead of one (B, v, k) update per use.
 
     With ``gram`` both live in one buffer ``MS = [M; S]`` (B, v + k, k): what the whitening reads, ``M k`` and
-    ``S k``, is then one batched product, and so is its backward's ``Mᵀ ∂ṽ + Sᵀ ∂k̃``. On CPU a batched product
-    costs about as much per token as the product itself, so one product of twice the height is about twice as fast
-    as two.
+    ``S k``, is then one batched product, and so is its backward's ``Mᵀ ∂ṽ + Sᵀ ∂k̃``. On CPU a batched
+    product of such small matrices costs about the same per token whatever their height, so one product of twice
+    the height is about twice as fast as two.
     """
 
     __slots__ = ("M", "S", "MS", "v", "gram", "shape", "folds", "phase", "chunks", "pending", "grad", "__weakref__")

@@ -40,7 +40,7 @@ from variants.base import DepthMixer, register
 from variants.depth_read import CarriedMemory, CarriedRead, Collected, DepthRead, Fold, WriteGradient
 from variants.layers import RMSNorm
 from variants.ops import rms_scale, unit
-from variants.tape import Tape, default_segment
+from variants.tape import Recomputes, Tape, default_segment
 
 READS = ("residual+memory", "memory", "residual")
 NORM_EPS = 1e-6  # the mixer does not see the model's norm_eps; the decoder's default
@@ -148,7 +148,7 @@ def shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tenso
     return MLPPass(mlps).run(x)
 
 
-class MLPPass:
+class MLPPass(Recomputes):
     """One pass of query/key MLPs over one input (``_shared_input_mlps``), recomputed in backward at most once for
     everything that needs it, instead of keeping its normalized input and hidden layer (three (b, t, d)-sized
     tensors per layer, the largest share of the mixer's saved memory).
@@ -169,7 +169,6 @@ class MLPPass:
         self.graph: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self.recomputes = False
         self._outputs: list[int] = []  # the outputs' storages, by position
-        self._storage, self._index, self._outer = None, 0, None
 
     def _forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         outs = _shared_input_mlps(x.to(self.dtype), self.mlps)
@@ -198,7 +197,7 @@ class MLPPass:
             x = self.tape.stream(self.layer) if self.tape is not None else self.x
             # The recomputation's saved tensors live only in this backward: hooks around the forward (save_on_cpu,
             # a meter of saved bytes) are not for them, so an innermost pair of hooks keeps them as they are.
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _as_saved):
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _identity):
                 x = x.detach().requires_grad_()
                 self.graph = (x, self._forward(x))
         return self.graph
@@ -207,36 +206,10 @@ class MLPPass:
         """A context in which autograd keeps ``t``, an output of this pass, as a handle to its recomputation."""
         if not self.recomputes:
             return contextlib.nullcontext()
-        self._storage = t.untyped_storage().data_ptr()
-        self._index = self._outputs.index(self._storage)
-        # Hooks pushed outside this one would be masked by it (only the innermost pair runs): pass tensors on.
-        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return self._instead_of(t, self._outputs.index(t.untyped_storage().data_ptr()))
 
-    def _pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() == self._storage:
-            return _Output(self, self._index, t)
-        # Detached: a saved output must not hold its own graph (see torch.autograd.graph.saved_tensors_hooks).
-        return (self._outer[1], self._outer[0](t)) if self._outer else t.detach()
-
-    @staticmethod
-    def _unpack(packed):
-        if isinstance(packed, _Output):
-            out = packed.mlp_pass.recomputed()[1][packed.index].detach()
-            return out.as_strided(packed.size, packed.stride, packed.offset)
-        if isinstance(packed, tuple):  # (the outer unpack hook, what the outer pack hook returned)
-            return packed[0](packed[1])
-        return packed
-
-
-class _Output:
-    """What autograd holds instead of an output of ``MLPPass`` (a query or a key) that the pass recomputes."""
-
-    __slots__ = ("mlp_pass", "index", "size", "stride", "offset")
-
-    def __init__(self, mlp_pass, index, view):
-        self.mlp_pass, self.index = mlp_pass, index
-        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+    def recompute(self, index: int) -> torch.Tensor:
+        return self.recomputed()[1][index].detach()
 
 
 class _RecomputedMLPs(torch.autograd.Function):
@@ -264,7 +237,7 @@ class _RecomputedMLPs(torch.autograd.Function):
         return dx if need[0] else None, None, *(next(grads) if n else None for n in need[2:])
 
 
-def _as_saved(t: torch.Tensor) -> torch.Tensor:
+def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 

@@ -21,26 +21,59 @@ def default_segment(n_layers: int) -> int:
     return math.isqrt(n_layers - 1) + 1
 
 
-class _Recomputed:
-    """What autograd holds instead of a view of a layer's stream that the tape recomputes."""
+class _Handle:
+    """What autograd holds instead of a tensor that a ``Recomputes`` object makes again: its key and the view."""
 
-    __slots__ = ("tape", "layer", "size", "stride", "offset")
+    __slots__ = ("source", "key", "size", "stride", "offset")
 
-    def __init__(self, tape, layer, view):
-        self.tape, self.layer = tape, layer
+    def __init__(self, source, key, view):
+        self.source, self.key = source, key
         self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
 
 
-class Tape:
+class Recomputes:
+    """Saved-tensor hooks that hand autograd a handle instead of one tensor (and every view of it), for an object
+    that can make that tensor again in backward (``recompute(key)``). Every other saved tensor goes on to the hooks
+    around these (the benchmark's counter of saved bytes, ``save_on_cpu``), or is kept as usual."""
+
+    _storage: int | None = None
+    _key = None
+    _outer = None
+
+    def recompute(self, key) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _instead_of(self, t: torch.Tensor | None, key):
+        """A context in which autograd saves a handle with ``key`` instead of ``t`` (or saves as usual, for None)."""
+        self._storage = None if t is None else t.untyped_storage().data_ptr()
+        self._key = key
+        # Hooks pushed outside this one would be masked by it (only the innermost pair runs): pass tensors on.
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor):
+        if self._storage is not None and t.untyped_storage().data_ptr() == self._storage:
+            return _Handle(self, self._key, t)
+        # Detached: a saved output must not hold its own graph (see torch.autograd.graph.saved_tensors_hooks).
+        return (self._outer[1], self._outer[0](t)) if self._outer else t.detach()
+
+
+def _unpack(packed):
+    if isinstance(packed, _Handle):
+        return packed.source.recompute(packed.key).as_strided(packed.size, packed.stride, packed.offset)
+    if isinstance(packed, tuple):  # (the outer unpack hook, what the outer pack hook returned)
+        return packed[0](packed[1])
+    return packed
+
+
+class Tape(Recomputes):
     """Keeps the stream ``X_l`` for backward at every ``segment``-th layer and recomputes the others.
 
     The mixer records each layer's write in ``writes[l]`` (a tuple of detached tensors, ``step``'s arguments after
     the stream). While something that saves the stream before layer ``l`` runs (``saving(l, X_l)``),
-    saved-tensor hooks replace every tensor autograd saves that is ``X_l`` or a view of it by a ``_Recomputed``
-    handle, except at the kept layers. In backward the first handle of a segment recomputes that segment's streams
-    from its kept ``X`` and the recorded writes; the previous segment's are dropped, so backward holds one segment
-    at a time. Hooks active around the mixer (the benchmark's counter of saved bytes) still see every tensor that
-    is saved.
+    saved-tensor hooks replace every tensor autograd saves that is ``X_l`` or a view of it by a handle, except at
+    the kept layers. In backward the first handle of a segment recomputes that segment's streams from its kept
+    ``X`` and the recorded writes; the previous segment's are dropped, so backward holds one segment at a time.
     """
 
     def __init__(self, segment: int, step: Callable[..., torch.Tensor]):
@@ -48,17 +81,11 @@ class Tape:
         self.kept: dict[int, torch.Tensor] = {}
         self.writes: dict[int, tuple[torch.Tensor, ...]] = {}
         self.cache: dict[int, torch.Tensor] = {}
-        self._layer, self._storage = -1, None
-        self._outer = None
 
     def saving(self, layer: int, X: torch.Tensor):
         """A context in which autograd saves ``X`` (the stream before ``layer``) only if ``layer`` is kept."""
-        self._layer = layer
-        self._storage = X.untyped_storage().data_ptr()
         self.keep(layer, X)
-        # Hooks pushed outside this one would be masked by it (only the innermost pair runs): pass tensors on.
-        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return self._instead_of(None if layer in self.kept else X, layer)
 
     def keep(self, layer: int, X: torch.Tensor) -> None:
         """Keep ``X``, the stream before ``layer``, if ``layer`` is one the tape keeps; ``stream`` gives it back."""
@@ -66,19 +93,8 @@ class Tape:
             # Detached, as everything the tape holds: autograd's nodes hold the tape, which must not hold them.
             self.kept[layer] = X.detach()
 
-    def _pack(self, t: torch.Tensor):
-        if self._layer not in self.kept and t.untyped_storage().data_ptr() == self._storage:
-            return _Recomputed(self, self._layer, t)
-        # Detached: a saved output must not hold its own graph (see torch.autograd.graph.saved_tensors_hooks).
-        return (self._outer[1], self._outer[0](t)) if self._outer else t.detach()
-
-    @staticmethod
-    def _unpack(packed):
-        if isinstance(packed, _Recomputed):
-            return packed.tape.stream(packed.layer).as_strided(packed.size, packed.stride, packed.offset)
-        if isinstance(packed, tuple):  # (the outer unpack hook, what the outer pack hook returned)
-            return packed[0](packed[1])
-        return packed
+    def recompute(self, layer: int) -> torch.Tensor:
+        return self.stream(layer)
 
     def stream(self, layer: int) -> torch.Tensor:
         """``X_layer`` as the forward pass computed it."""

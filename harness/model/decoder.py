@@ -162,7 +162,7 @@ class Decoder(nn.Module):
                 trace.inputs.append(a.detach())
                 trace.outputs.append(v.detach())
         h = self.mixer.read_head(state)
-        del state
+        del state  # what the mixer kept for its reads alone need not live on under the logits
         self.mixer.trace = None
         if trace is not None:
             trace.embed = e.detach()
