@@ -98,3 +98,63 @@ def test_a_pass_without_autograd_keeps_nothing(rng_seed):
     with torch.no_grad():
         mlp_pass.run(torch.randn(2, 16, model.cfg.d_model))
     assert mlp_pass.x is None and mlp_pass.graph is None and not mlp_pass.recomputes
+
+
+# -- LDM-RLS: the carried memory, the whitening and the hand-over's raw keys -------------------------------------
+def _rls(chunk: int, n_blocks: int = 4):
+    model = _model("ldm-rls(groups=4)", n_blocks=n_blocks)
+    model.mixer.chunk = chunk
+    return model
+
+
+def _tracked(monkeypatch, cls):
+    """Every instance of ``cls`` made while the returned list is open."""
+    made, original = [], cls.__init__
+
+    def tracked(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(cls, "__init__", tracked)
+    return made
+
+
+def test_carried_memory_is_let_go_after_the_head_and_rebuilt_for_backward(monkeypatch, rng_seed):
+    """Nothing reads the carried memory after the head's read, so the forward pass ends without it; backward
+    rebuilds it from the folded writes, bit for bit the memory the forward pass read."""
+    from variants.depth_read import CarriedMemory
+
+    model = _rls(chunk=2)
+    idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+    with monkeypatch.context() as m:
+        made = _tracked(m, CarriedMemory)
+        logits = model(idx)
+    (memory,) = made
+    assert memory.folds >= 2 and memory.M is None and memory.S is None and memory.MS is None
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    with monkeypatch.context() as m:
+        m.setattr(CarriedMemory, "release", lambda self: None)
+        _, want = _loss_and_grads(model, idx, targets)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_a_backward_that_drops_the_graph_lets_go_of_what_only_a_second_one_needs(chunk, monkeypatch, rng_seed):
+    """The graph's nodes live until the step ends, and with them what they hold outside their saved tensors: each
+    query/key pass's input and the carried memory's folded writes are let go of once their own backward has run,
+    unless the graph is kept for another backward (which test_recomputed_queries… runs)."""
+    from variants.depth_read import CarriedMemory
+
+    model = _rls(chunk)
+    idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+    with monkeypatch.context() as m:
+        passes, memories = _tracked(m, ldm_module.MLPPass), _tracked(m, CarriedMemory)
+        loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
+    assert passes and all(p.x is not None for p in passes)
+    assert len(memories) == (1 if chunk else 0)
+    loss.backward(retain_graph=True)
+    assert all(p.x is not None for p in passes) and all(c is not None for m in memories for c in m.chunks)
+    loss.backward()
+    assert all(p.x is None for p in passes) and all(c is None for m in memories for c in m.chunks)

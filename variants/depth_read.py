@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from variants.ops import _bdot
+from variants.tape import graph_kept
 
 
 class WriteGradient:
@@ -208,24 +209,36 @@ class CarriedMemory:
         return self.phase
 
     def at(self, phase: int) -> None:
-        """Bring the memories to where the uses of ``phase`` saw them. Backward starts at the last phase; a second
-        backward through a retained graph finds them lowered by the first and adds every chunk again, in the
-        forward's order."""
+        """Bring the memories to where the uses of ``phase`` saw them. Backward starts at the last phase; after
+        ``release``, or in a second backward through a retained graph (which finds them lowered by the first), that
+        adds every chunk again, in the forward's order."""
         if self.phase != phase:
             if phase != self.folds - 1:
                 raise RuntimeError(f"carried memory asked for phase {phase} while at {self.phase}")
-            for i, (keys, values) in enumerate(self.chunks):
-                VK = _stacked(keys, values)
+            for i, chunk in enumerate(self.chunks):
+                if chunk is None:
+                    raise RuntimeError("the carried memory's writes were freed by a backward pass that did not keep the graph")
+                VK = _stacked(*chunk)
                 if i == 0:
                     self._build(VK)
                 else:
                     self._add(VK)
             self.phase = phase
 
-    def owe(self, phase: int, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """A use of memory ``name`` at ``phase`` adds ``a bᵀ`` to its gradient: ``a`` (B, r), ``b`` (B, c)."""
+    def release(self) -> None:
+        """Let go of the memories once the forward pass has read them for the last time. The first use in backward
+        rebuilds them from the folded writes (``at``), after the head's backward has freed its own buffers, so the
+        step's peak does not hold them: one more product per fold, for ``d · d_k`` floats per token (with ``gram``
+        ``d_k²`` more)."""
+        self.M = self.S = self.MS = None
+        self.phase = -1
+
+    def owe(self, phase: int, name: str, a: torch.Tensor, b: torch.Tensor, sign: float = 1.0) -> None:
+        """A use of memory ``name`` at ``phase`` adds ``sign · a bᵀ`` to its gradient: ``a`` (B, r), ``b`` (B, c).
+        The sign is applied when the pairs are stacked, so a use need not keep a negated copy of a gradient it
+        also returns."""
         # Detached, as in ``fold``.
-        self.pending.setdefault((phase, name), []).append((a.detach(), b.detach()))
+        self.pending.setdefault((phase, name), []).append((a.detach(), b.detach(), sign))
 
     def gradient(self, phase: int, name: str) -> torch.Tensor | None:
         """``∂L/∂`` memory ``name`` after fold ``phase``: what its uses owe plus what later folds handed on; None
@@ -233,8 +246,12 @@ class CarriedMemory:
         later = self.grad.pop(name, None) if phase < self.folds - 1 else None
         owed = self.pending.pop((phase, name), [])
         if owed:
-            a = torch.stack([a for a, _ in owed], -1)  # (B, r, uses)
-            b = torch.stack([b for _, b in owed], -2)  # (B, uses, c)
+            a = torch.stack([a for a, _, _ in owed], -1)  # (B, r, uses)
+            for i, (_, _, sign) in enumerate(owed):
+                if sign != 1.0:
+                    a[..., i].mul_(sign)
+            b = torch.stack([b for _, b, _ in owed], -2)  # (B, uses, c)
+            del owed
             return torch.bmm(a, b) if later is None else later.baddbmm_(a, b)
         return later
 
@@ -278,6 +295,8 @@ class Fold(torch.autograd.Function):
         # previous ones plus its writes, so the gradients pass on unchanged.
         memory._add(VK, alpha=-1.0)
         memory.phase = phase - 1
+        if not graph_kept():
+            memory.chunks[phase] = None  # only a second backward rebuilds the memories from it
         memory.grad = grads if phase > 0 else {}
         dK, dV = dK.unflatten(0, memory.shape), dV.unflatten(0, memory.shape)  # (b, t, g, n, k), (b, t, g, v, n)
         return None, None, *dK.unbind(-2), *dV.unbind(-1)

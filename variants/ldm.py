@@ -40,7 +40,7 @@ from variants.base import DepthMixer, register
 from variants.depth_read import CarriedMemory, CarriedRead, Collected, DepthRead, Fold, WriteGradient
 from variants.layers import RMSNorm
 from variants.ops import rms_scale, unit
-from variants.tape import Recomputes, Tape, default_segment
+from variants.tape import Recomputes, Tape, default_segment, graph_kept
 
 READS = ("residual+memory", "memory", "residual")
 NORM_EPS = 1e-6  # the mixer does not see the model's norm_eps; the decoder's default
@@ -104,6 +104,7 @@ class DualState(NamedTuple):
         parts = [v.unsqueeze(-1) * k.unsqueeze(-2) for k, v in zip(self.keys, self.values)]
         if self.carried is not None:
             memory = self.carried.memory
+            memory.at(memory.folds - 1)  # rebuilt if the head's read released it
             parts.insert(0, memory.M.detach().clone().unflatten(0, memory.shape))
         return sum(parts) if parts else None
 
@@ -117,6 +118,7 @@ class DualState(NamedTuple):
         parts = [k.unsqueeze(-1) * k.unsqueeze(-2) for k in self.keys]  # each exactly symmetric
         if self.carried is not None:
             memory = self.carried.memory
+            memory.at(memory.folds - 1)
             S = memory.S.detach().unflatten(0, memory.shape)
             parts.insert(0, (S + S.mT) / 2)  # a batched product's sum, symmetric up to its rounding
         eye = torch.eye(parts[0].shape[-1], dtype=parts[0].dtype, device=parts[0].device)
@@ -227,6 +229,8 @@ class _RecomputedMLPs(torch.autograd.Function):
         mlp_pass, need = ctx.mlp_pass, ctx.needs_input_grad
         x, outs = mlp_pass.recomputed()
         mlp_pass.graph = None  # used: a second backward through a retained graph recomputes it
+        if not graph_kept():
+            mlp_pass.x = None  # the graph holds this node until the step ends; its input is not needed again
         params = [p for m in mlp_pass.mlps for p in m.parameters()]
         used = [(o, g) for o, g in zip(outs, douts) if g is not None]
         inputs = [x] + [p for p, n in zip(params, need[2:]) if n]
@@ -595,7 +599,10 @@ class LDM(DepthMixer):
         return self._next(state, x, self._write_memory(state, layer + self.embed_write, layer, out))
 
     def read_head(self, state):
-        return self._read(state, self.n_layers)
+        h = self._read(state, self.n_layers)
+        if getattr(state, "carried", None) is not None:
+            state.carried.memory.release()  # nothing reads it again in this forward pass
+        return h
 
     # -- introspection -------------------------------------------------------------------------------------
     def mixing_matrix(self, trace):

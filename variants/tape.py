@@ -16,6 +16,13 @@ from collections.abc import Callable
 import torch
 
 
+def graph_kept() -> bool:
+    """Whether the backward pass now running keeps the graph for another (``retain_graph``): what a node holds
+    outside its saved tensors can be let go of after its own backward only when not."""
+    kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if kept is None else kept()
+
+
 def default_segment(n_layers: int) -> int:
     """``⌈√L⌉``: about ``2√L`` of the ``L`` streams alive at once (``√L`` kept, one segment recomputed)."""
     return math.isqrt(n_layers - 1) + 1
