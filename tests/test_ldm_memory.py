@@ -4,7 +4,9 @@ key) from that recomputation.
 
 Values and gradients must be the forward's to the bit, with and without the handle, for every write and read
 form, through a second backward and under a caller's saved-tensor hooks; and the peak memory of a step must fall
-by the queries no longer kept.
+by the queries no longer kept. Below, what else LDM-RLS no longer holds: the carried memory after the head's read,
+what only a second backward would need, the whitening's coefficients and ``S k``, and the raw keys the float64
+hand-over reads.
 """
 
 from __future__ import annotations
@@ -158,3 +160,55 @@ def test_a_backward_that_drops_the_graph_lets_go_of_what_only_a_second_one_needs
     assert all(p.x is not None for p in passes) and all(c is not None for m in memories for c in m.chunks)
     loss.backward()
     assert all(p.x is None for p in passes) and all(c is None for m in memories for c in m.chunks)
+
+
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_the_whitening_keeps_no_coefficients_and_no_gram_product(chunk, rng_seed):
+    """Per write the whitening keeps the whitened key and value (every later read needs them) and its δ: not the
+    coefficients ``l_j`` (one (b, t, g, 1) tensor per pair of writes) nor ``S k`` (one (b, t, g, k) per write),
+    which backward makes again."""
+    model = _rls(chunk, n_blocks=5)
+    b, t, G, dk = 2, 16, model.mixer.G, model.mixer.dk
+    saved: dict[int, tuple] = {}
+
+    def pack(x):
+        saved.setdefault(x.untyped_storage().data_ptr(), (tuple(x.shape), x.dtype))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        model(torch.randint(0, 512, (b, t)))
+    n_writes = model.mixer.n_layers + 1
+    deltas = [s for s, dt in saved.values() if s == (b, t, G, 1) and dt.is_floating_point]
+    keys = [s for s, dt in saved.values() if s == (b, t, G, dk)]
+    assert len(deltas) == n_writes - 1  # the first write projects nothing out: its δ is its own norm
+    assert len(keys) <= 2 * n_writes  # whitened keys and values (here v = k wide), nothing per pair
+
+
+def test_the_hand_over_makes_its_raw_keys_again(rng_seed):
+    """LDM-RLS keeps each write's raw key for the float64 hand-over as a way to make it again, not as a tensor
+    held through the forward pass; made again, it is the key the pass gave, bit for bit, and carries the
+    gradient to the pass's input (the hand-over tests in test_rls_float32 check the gradients whole)."""
+    model = _rls(0)
+    mixer = model.mixer
+    e = torch.randn(2, 16, model.cfg.d_model, requires_grad=True)
+    seen = []
+    original = mixer._key
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out[0])
+        return out
+
+    mixer._key = recording
+    try:
+        state = mixer.init_state(e)
+        for layer in range(3):
+            state = mixer.write(state, layer, torch.tanh(mixer.read(state, layer)))
+    finally:
+        del mixer._key
+    assert len(state.raw) == len(seen) >= 3 and all(isinstance(r[0], ldm_module.RawKey) for r in state.raw)
+    for (raw_key, *_), kept in zip(state.raw, seen):
+        again = raw_key()
+        assert torch.equal(again, kept) and again.grad_fn is not None
+    (grad,) = torch.autograd.grad(state.raw[0][0]().sum(), e)
+    assert grad.abs().sum() > 0

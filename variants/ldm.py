@@ -204,14 +204,37 @@ class MLPPass(Recomputes):
                 self.graph = (x, self._forward(x))
         return self.graph
 
+    def again(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The pass on ``x`` once more, with autograd as the caller has it: for a use of an output that comes after
+        the pass's backward would have recomputed it (``RawKey``)."""
+        return self._forward(x)
+
+    def index(self, t: torch.Tensor) -> int | None:
+        """Which output of the pass ``t`` is, or None where the pass does not recompute (nothing to save)."""
+        return self._outputs.index(t.untyped_storage().data_ptr()) if self.recomputes else None
+
     def keeping(self, t: torch.Tensor):
         """A context in which autograd keeps ``t``, an output of this pass, as a handle to its recomputation."""
         if not self.recomputes:
             return contextlib.nullcontext()
-        return self._instead_of(t, self._outputs.index(t.untyped_storage().data_ptr()))
+        return self._instead_of(t, self.index(t))
 
     def recompute(self, index: int) -> torch.Tensor:
         return self.recomputed()[1][index].detach()
+
+
+class RawKey(NamedTuple):
+    """LDM-RLS's raw key for the float64 hand-over (``rls.replay``), made again from its pass's input if the
+    hand-over happens rather than kept alive through the forward pass: a (b, t, d)-sized tensor per layer that
+    nothing else keeps. The pass runs with autograd on its input, which the model holds anyway, so the replay's
+    gradient reaches the MLPs and the residual as the kept key's would."""
+
+    mlp_pass: MLPPass
+    x: torch.Tensor
+    index: int
+
+    def __call__(self) -> torch.Tensor:
+        return self.mlp_pass.again(self.x)[self.index]
 
 
 class _RecomputedMLPs(torch.autograd.Function):
@@ -487,7 +510,9 @@ class LDM(DepthMixer):
             decay, raw, exact = None, (), None
             if self.rls:
                 decay = lam if state.decay is None else state.decay * lam  # Π_{j≤n} λ_j
-                raw = state.raw + ((k, v, lam, omega),)
+                index = mlp_pass.index(k)
+                raw_k = k if index is None else RawKey(mlp_pass, self._qk_input(state), index)
+                raw = state.raw + ((raw_k, v, lam, omega),)
                 if state.exact is not None:  # already handed over: one more step of the recursion
                     exact = rls.rls_write(*state.exact, k.double(), v.double(), lam.double(), omega.double())
                     return state.keys, state.values, decay, state.grads, raw, exact, state.carried
@@ -497,7 +522,7 @@ class LDM(DepthMixer):
                     k, v, margin = rls.whiten(k, v, ridge, state.keys, state.values, state.grads, state.carried)
                 if margin < rls.min_margin(k.dtype):
                     # This write's δ² cancelled below the precision: the exact recursion from here on.
-                    exact = rls.replay(raw, self.cfg.alpha)
+                    exact = rls.replay([(k() if callable(k) else k, *rest) for k, *rest in raw], self.cfg.alpha)
                     return state.keys, state.values, decay, state.grads, raw, exact, state.carried
             grad = None
             if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):

@@ -179,7 +179,9 @@ class _Whiten(torch.autograd.Function):
         delta = sq.sqrt_()
         kt, vt = k_rest.div_(delta), v_rest.div_(delta)
         ctx.grads = grads
-        ctx.save_for_backward(k, kt, vt, delta, floored, *coeffs, *writes)
+        # Not the coefficients, one (..., g, 1) tensor per earlier write, O(L²) over the depth: backward takes the
+        # same dot products again.
+        ctx.save_for_backward(k, kt, vt, delta, floored, *writes)
         ctx.mark_non_differentiable(margin)
         return kt, vt, margin
 
@@ -187,8 +189,9 @@ class _Whiten(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dkt, dvt, _):
         k, kt, vt, delta, floored, *rest = ctx.saved_tensors
-        n = len(rest) // 3
-        coeffs, keys, values = rest[:n], rest[n : 2 * n], rest[2 * n :]
+        n = len(rest) // 2
+        keys, values = rest[:n], rest[n:]
+        coeffs = [_bdot(kj, k) for kj in keys]
         dkr, dvr, dsq, dridge = _normalization_backward(dkt, dvt, kt, vt, delta, floored)
         dk = torch.addcmul(dkr, k, dsq, value=2.0)
         dkeys, dvalues = _projections_backward(dk, dkr, dvr, dsq, k, coeffs, keys, values, ctx.grads)
@@ -210,7 +213,7 @@ class _CarriedWhiten(torch.autograd.Function):
         # [M k; S k] as one row-vector product on the memories' shared buffer (``CarriedMemory``).
         MSk = torch.bmm(k.reshape(-1, 1, k.shape[-1]), memory.MS.mT).view(*k.shape[:-1], -1)
         Mk, Sk = MSk.split([v.shape[-1], k.shape[-1]], dim=-1)
-        Sk = Sk.contiguous()  # saved for backward: not as a view that would keep M k alive too
+        Sk = Sk.contiguous()  # for the batched dot product below
         k_rest = k - Sk
         v_rest = v - Mk
         sq = total - _bdot(k, Sk)
@@ -225,26 +228,35 @@ class _CarriedWhiten(torch.autograd.Function):
         delta = sq.sqrt_()
         kt, vt = k_rest.div_(delta), v_rest.div_(delta)
         ctx.memory, ctx.phase, ctx.grads = memory, memory.phase, grads
-        ctx.save_for_backward(k, kt, vt, delta, floored, Sk, *coeffs, *writes)
+        # Neither S k nor the coefficients: backward makes what it needs of them again from the whitened write
+        # and the open writes, rather than keep a (b, t, g, k) tensor per write.
+        ctx.save_for_backward(k, kt, vt, delta, floored, *writes)
         ctx.mark_non_differentiable(margin)
         return kt, vt, margin
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dkt, dvt, _):
-        k, kt, vt, delta, floored, Sk, *rest = ctx.saved_tensors
-        n = len(rest) // 3
-        coeffs, keys, values = rest[:n], rest[n : 2 * n], rest[2 * n :]
+        k, kt, vt, delta, floored, *rest = ctx.saved_tensors
+        n = len(rest) // 2
+        keys, values = rest[:n], rest[n:]
+        coeffs = [_bdot(kj, k) for kj in keys]
         memory, phase = ctx.memory, ctx.phase
         memory.at(phase)
         dkr, dvr, dsq, dridge = _normalization_backward(dkt, dvt, kt, vt, delta, floored)
         # k_rest = k − S k − Σ l_j k̃_j, v_rest = v − M k − Σ l_j ṽ_j, δ² = |k|² + d_n − kᵀ S k − Σ l_j².
-        dk = torch.addcmul(dkr, k - Sk, dsq, value=2.0)
+        # ∂δ²/∂k = 2 (k − S k), and k − S k = δ k̃ + Σ l_j k̃_j over the open writes: a few elementwise passes
+        # instead of keeping S k per write or taking the product again.
+        k_Sk = kt * delta
+        for c, kj in zip(coeffs, keys):
+            k_Sk.addcmul_(c, kj)
+        dk = torch.addcmul(dkr, k_Sk, dsq, value=2.0)
+        del k_Sk
         B = k.numel() // k.shape[-1]  # tokens × groups, the batch of the carried products
         k_flat = k.reshape(B, -1)
         dk -= torch.bmm(torch.cat([dvr, dkr], -1).reshape(B, 1, -1), memory.MS).view_as(k)  # Mᵀ ∂ṽ + Sᵀ ∂k̃
-        memory.owe(phase, "S", torch.addcmul(dkr, k, dsq).neg_().reshape(B, -1), k_flat)
-        memory.owe(phase, "M", dvr.neg().reshape(B, -1), k_flat)
+        memory.owe(phase, "S", torch.addcmul(dkr, k, dsq).reshape(B, -1), k_flat, sign=-1.0)
+        memory.owe(phase, "M", dvr.reshape(B, -1), k_flat, sign=-1.0)
         dkeys, dvalues = _projections_backward(dk, dkr, dvr, dsq, k, coeffs, keys, values, ctx.grads)
         return dk, dvr, dridge, None, None, None, *dkeys, *dvalues
 
