@@ -217,7 +217,9 @@ class CarriedMemory:
                 raise RuntimeError(f"carried memory asked for phase {phase} while at {self.phase}")
             for i, chunk in enumerate(self.chunks):
                 if chunk is None:
-                    raise RuntimeError("the carried memory's writes were freed by a backward pass that did not keep the graph")
+                    raise RuntimeError(
+                        "the carried memory's writes were freed by a backward pass that did not keep the graph"
+                    )
                 VK = _stacked(*chunk)
                 if i == 0:
                     self._build(VK)
