@@ -187,6 +187,35 @@ def test_depth_mixers_fast_path_equals_reference_values_and_gradients(spec, rng_
         torch.testing.assert_close(p.grad, 2 * once[name], rtol=1e-12, atol=1e-14, msg=name)
 
 
+def test_denseformer_gathers_each_output_gradient_in_one_buffer(monkeypatch, rng_seed):
+    """Every DWA adds its share of a block output's gradient into that output's buffer, and autograd gets one
+    gradient per output: no DWA hands autograd a fresh tensor per output it read. Gradients stay the reference's
+    (test above)."""
+    from variants import denseformer
+
+    model = build_model(model_preset("tiny", n_blocks=3), "denseformer").to(torch.float64)
+    returned = []
+    backward = denseformer.WeightedAverage.backward
+
+    def counting(ctx, dy):
+        grads = backward(ctx, dy)
+        returned.append(sum(g is not None for g in grads[2:]))
+        return grads
+
+    monkeypatch.setattr(denseformer.WeightedAverage, "backward", staticmethod(counting))
+    idx = torch.randint(0, 512, (2, 12))
+    model(idx).square().mean().backward()
+    assert len(returned) == 3 and returned == [0, 0, 0]
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    returned.clear()
+    monkeypatch.setattr(model.mixer, "_source", lambda x: (x, None))  # every output's gradient through autograd
+    model(idx).square().mean().backward()
+    assert returned == [4, 3, 2]  # the DWA after block i read i + 1 outputs
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-14)
+
+
 def _whiten_formula(k, v, ridge, *writes):
     """The Gram–Schmidt step of the RLS dual form, as plain tensor algebra for autograd."""
     n = len(writes) // 2

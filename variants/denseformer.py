@@ -9,9 +9,9 @@ so at the start this is PreLN exactly. Our layers are sublayers, so as in the pa
 block, i.e. after every second layer (attention, MLP); a trailing odd layer counts as a block of its own. The
 paper's dilation and period options (sparser DWA) are not implemented. ``mixer.impl``: ``fused`` (the default)
 computes each DWA with ``WeightedAverage``, whose backward keeps nothing but the block outputs the state holds
-anyway; ``reference`` stacks them as the formula reads (autograd then saves a fresh (b, t, d, s) stack per DWA,
-O(L²·d) floats per token). tests/test_fast_paths.py holds them equal in float64. Axes: b batch, t time, d width,
-s source.
+anyway and adds each output's gradient into one buffer per output (``OutputGradient``); ``reference`` stacks
+them as the formula reads (autograd then saves a fresh (b, t, d, s) stack per DWA, O(L²·d) floats per token).
+tests/test_fast_paths.py holds them equal in float64. Axes: b batch, t time, d width, s source.
 """
 
 from __future__ import annotations
@@ -31,14 +31,58 @@ def mix_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-class WeightedAverage(torch.autograd.Function):
-    """``Y = Σ_j α_j X_j``: ``apply(alpha, *outputs)`` with ``alpha`` (s,) and outputs (b, t, d), one precision."""
+class OutputGradient:
+    """The gradient of one block output, added up in place by every DWA that read it.
+
+    Autograd would give each (DWA, output) pair a fresh ``α_j ∂Y`` and then add it to the output's gradient: an
+    allocation and two passes over a (b, t, d) tensor per pair, O(L²) of them. ``WeightedAverage`` adds into this
+    buffer instead, and ``Gathered``, the node each output passes through once, hands it on after all of them."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self):
+        self.buf = None
+
+    def add(self, dy: torch.Tensor, a: torch.Tensor) -> None:
+        """Add ``a ∂Y`` (``a`` a scalar tensor)."""
+        if self.buf is None:
+            self.buf = dy * a
+        else:
+            self.buf.addcmul_(dy, a)
+
+    def take(self, incoming: torch.Tensor | None) -> torch.Tensor | None:
+        buf, self.buf = self.buf, None  # a second backward through a retained graph starts from zero again
+        if buf is None:
+            return incoming
+        return buf if incoming is None else buf.add_(incoming)
+
+
+class Gathered(torch.autograd.Function):
+    """Identity on a block output; its backward returns what the DWAs added into ``grad``."""
 
     @staticmethod
-    def forward(ctx, alpha, *outputs):
+    def forward(ctx, x, grad: OutputGradient):
+        ctx.grad = grad
+        ctx.set_materialize_grads(False)  # the DWAs return None for the output: no zeros to fill and add
+        return x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dx):
+        # Autograd runs this only after the backward of every DWA that read the output, so the buffer is full.
+        return ctx.grad.take(dx), None
+
+
+class WeightedAverage(torch.autograd.Function):
+    """``Y = Σ_j α_j X_j``: ``apply(alpha, grads, *outputs)`` with ``alpha`` (s,) and outputs (b, t, d), one
+    precision; ``grads`` one ``OutputGradient`` per output (or None, to return its gradient to autograd)."""
+
+    @staticmethod
+    def forward(ctx, alpha, grads, *outputs):
         y = outputs[0] * alpha[0]
         for j in range(1, len(outputs)):
             y.addcmul_(outputs[j], alpha[j])
+        ctx.grads = grads
         ctx.save_for_backward(alpha, *outputs)
         return y
 
@@ -49,7 +93,16 @@ class WeightedAverage(torch.autograd.Function):
         dy = dy.contiguous()
         flat = dy.reshape(-1)
         dalpha = torch.stack([x.reshape(-1) @ flat for x in outputs]) if ctx.needs_input_grad[0] else None
-        return dalpha, *[dy * alpha[j] if ctx.needs_input_grad[1 + j] else None for j in range(len(outputs))]
+        doutputs = []
+        for j, grad in enumerate(ctx.grads):
+            if not ctx.needs_input_grad[2 + j]:
+                doutputs.append(None)
+            elif grad is None:
+                doutputs.append(dy * alpha[j])
+            else:
+                grad.add(dy, alpha[j])
+                doutputs.append(None)
+        return dalpha, None, *doutputs
 
 
 @register("denseformer")
@@ -75,25 +128,40 @@ class DenseFormer(DepthMixer):
         return layer % 2 == 1 or layer == self.n_layers - 1
 
     def init_state(self, e):
-        # (the running stream, the block outputs X_0 .. X_i so far)
-        return e, [e]
+        # (the running stream, the block outputs X_0 .. X_i so far, their gradients' collectors)
+        source, grad = self._source(e)
+        return e, [source], [grad]
+
+    def _source(self, x: torch.Tensor) -> tuple[torch.Tensor, OutputGradient | None]:
+        """A block output as the DWAs read it, and where they add its gradient: through ``Gathered`` on the fused
+        path under autograd, where the DWAs read it in its own precision; as it is otherwise."""
+        if (
+            self.impl != "fused"
+            or not (torch.is_grad_enabled() and x.requires_grad)
+            or x.dtype != mix_dtype(x)
+            or torch.compiler.is_compiling()
+        ):
+            return x, None
+        grad = OutputGradient()
+        return Gathered.apply(x, grad), grad
 
     def read(self, state, layer):
         return state[0]
 
     def write(self, state, layer, out):
-        x, outputs = state
+        x, outputs, grads = state
         x = x + out
         if not self.ends_block(layer):
-            return x, outputs
-        outputs = outputs + [x]
+            return x, outputs, grads
+        source, grad = self._source(x)
+        outputs, grads = outputs + [source], grads + [grad]
         dt = mix_dtype(x)
         alpha = self.alphas[len(outputs) - 2].to(dt)
         with torch.autocast(x.device.type, enabled=False):
             if self.impl == "reference":
                 stacked = torch.stack([X.to(dt) for X in outputs], dim=-1)  # (b, t, d, s)
-                return (stacked * alpha).sum(-1), outputs
-            return WeightedAverage.apply(alpha, *[X.to(dt) for X in outputs]), outputs
+                return (stacked * alpha).sum(-1), outputs, grads
+            return WeightedAverage.apply(alpha, tuple(grads), *[X.to(dt) for X in outputs]), outputs, grads
 
     def read_head(self, state):
         return state[0]
