@@ -9,7 +9,7 @@ so at the start this is PreLN exactly. Our layers are sublayers, so as in the pa
 block, i.e. after every second layer (attention, MLP); a trailing odd layer counts as a block of its own. The
 paper's dilation and period options (sparser DWA) are not implemented. ``mixer.impl``: ``fused`` (the default)
 computes each DWA with ``WeightedAverage``, whose backward keeps nothing but the block outputs the state holds
-anyway and adds each output's gradient into one buffer per output (``OutputGradient``); ``reference`` stacks
+anyway, and each output's gradient is summed in one buffer (``variants/gradients.py``); ``reference`` stacks
 them as the formula reads (autograd then saves a fresh (b, t, d, s) stack per DWA, O(L²·d) floats per token).
 tests/test_fast_paths.py holds them equal in float64. Axes: b batch, t time, d width, s source.
 """
@@ -24,6 +24,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer, register
+from variants.gradients import Gathered, GradientSum
 
 
 def mix_dtype(x: torch.Tensor) -> torch.dtype:
@@ -31,51 +32,9 @@ def mix_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-class OutputGradient:
-    """The gradient of one block output, added up in place by every DWA that read it.
-
-    Autograd would give each (DWA, output) pair a fresh ``α_j ∂Y`` and then add it to the output's gradient: an
-    allocation and two passes over a (b, t, d) tensor per pair, O(L²) of them. ``WeightedAverage`` adds into this
-    buffer instead, and ``Gathered``, the node each output passes through once, hands it on after all of them."""
-
-    __slots__ = ("buf",)
-
-    def __init__(self):
-        self.buf = None
-
-    def add(self, dy: torch.Tensor, a: torch.Tensor) -> None:
-        """Add ``a ∂Y`` (``a`` a scalar tensor)."""
-        if self.buf is None:
-            self.buf = dy * a
-        else:
-            self.buf.addcmul_(dy, a)
-
-    def take(self, incoming: torch.Tensor | None) -> torch.Tensor | None:
-        buf, self.buf = self.buf, None  # a second backward through a retained graph starts from zero again
-        if buf is None:
-            return incoming
-        return buf if incoming is None else buf.add_(incoming)
-
-
-class Gathered(torch.autograd.Function):
-    """Identity on a block output; its backward returns what the DWAs added into ``grad``."""
-
-    @staticmethod
-    def forward(ctx, x, grad: OutputGradient):
-        ctx.grad = grad
-        ctx.set_materialize_grads(False)  # the DWAs return None for the output: no zeros to fill and add
-        return x.view_as(x)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dx):
-        # Autograd runs this only after the backward of every DWA that read the output, so the buffer is full.
-        return ctx.grad.take(dx), None
-
-
 class WeightedAverage(torch.autograd.Function):
     """``Y = Σ_j α_j X_j``: ``apply(alpha, grads, *outputs)`` with ``alpha`` (s,) and outputs (b, t, d), one
-    precision; ``grads`` one ``OutputGradient`` per output (or None, to return its gradient to autograd)."""
+    precision; ``grads`` one ``GradientSum`` per output (or None, to return its gradient to autograd)."""
 
     @staticmethod
     def forward(ctx, alpha, grads, *outputs):
@@ -132,7 +91,7 @@ class DenseFormer(DepthMixer):
         source, grad = self._source(e)
         return e, [source], [grad]
 
-    def _source(self, x: torch.Tensor) -> tuple[torch.Tensor, OutputGradient | None]:
+    def _source(self, x: torch.Tensor) -> tuple[torch.Tensor, GradientSum | None]:
         """A block output as the DWAs read it, and where they add its gradient: through ``Gathered`` on the fused
         path under autograd, where the DWAs read it in its own precision; as it is otherwise."""
         if (
@@ -142,8 +101,9 @@ class DenseFormer(DepthMixer):
             or torch.compiler.is_compiling()
         ):
             return x, None
-        grad = OutputGradient()
-        return Gathered.apply(x, grad), grad
+        grad = GradientSum()
+        (source,) = Gathered.apply((grad,), x)
+        return source, grad
 
     def read(self, state, layer):
         return state[0]

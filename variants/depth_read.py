@@ -18,57 +18,25 @@ Axes: b batch, t time, g groups, k key width d_k, v value width d/G; B = b·t·g
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from variants.gradients import GradientSum
 from variants.ops import _bdot
 from variants.tape import graph_kept
 
 
-class WriteGradient:
-    """The gradient of one write's key and value, added up in place by every read that saw the write.
+class WriteGradient(NamedTuple):
+    """Where the reads add a write's key and value gradients (``variants/gradients.py``): a read returns None for
+    the write, and the write's ``Gathered`` node hands both sums to autograd after every read's backward."""
 
-    Autograd would give each (read, write) pair its own fresh gradient tensors and then sum them, one allocation
-    and one addition per pair: O(L²) temporaries of a (b, t, d) tensor each, the largest cost of the dual form's
-    backward on CPU. Instead ``DepthRead`` adds into these two buffers, and ``Collected``, the node every read's
-    use of the write passes through, hands them on once autograd has run all those reads' backward passes.
-    """
+    key: GradientSum
+    value: GradientSum
 
-    __slots__ = ("key", "value")
-
-    def __init__(self):
-        self.key = self.value = None
-
-    def add(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Add ``a * b`` to the buffer ``name``."""
-        buf = getattr(self, name)
-        if buf is None:
-            setattr(self, name, a * b)
-        else:
-            buf.addcmul_(a, b)
-
-    def take(self, name: str, incoming: torch.Tensor | None) -> torch.Tensor | None:
-        """The buffer plus any gradient that reached the write another way, emptying the buffer."""
-        buf = getattr(self, name)
-        setattr(self, name, None)  # a second backward through a retained graph starts from zero again
-        if buf is None:
-            return incoming
-        return buf if incoming is None else buf.add_(incoming)
-
-
-class Collected(torch.autograd.Function):
-    """Identity on a write ``(key, value)``; its backward returns what the reads added into ``grad``."""
-
-    @staticmethod
-    def forward(ctx, key, value, grad: WriteGradient):
-        ctx.grad = grad
-        ctx.set_materialize_grads(False)  # the reads return None for the write; no zeros to fill and add
-        return key.view_as(key), value.view_as(value)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dkey, dvalue):
-        # Autograd runs this only after the backward of every node that used the outputs, so the buffers are full.
-        return ctx.grad.take("key", dkey), ctx.grad.take("value", dvalue), None
+    @classmethod
+    def new(cls) -> WriteGradient:
+        return cls(GradientSum(), GradientSum())
 
 
 def _read_writes(q, keys, values, m=None):
@@ -91,8 +59,8 @@ def _read_writes_backward(dm, q, keys, values, grads, dq=None):
             dkeys.append(dz * q)
             dvalues.append(z * dm)
         else:
-            grad.add("key", dz, q)
-            grad.add("value", z, dm)
+            grad.key.add(dz, q)
+            grad.value.add(z, dm)
             dkeys.append(None)
             dvalues.append(None)
     return dq, dkeys, dvalues
@@ -253,7 +221,7 @@ class CarriedMemory:
                 if sign != 1.0:
                     a[..., i].mul_(sign)
             b = torch.stack([b for _, b, _ in owed], -2)  # (B, uses, c)
-            del owed
+            del owed  # the pairs, now copied, need not outlive the product below
             return torch.bmm(a, b) if later is None else later.baddbmm_(a, b)
         return later
 

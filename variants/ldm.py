@@ -37,7 +37,8 @@ from torch.utils.checkpoint import checkpoint
 from harness.registry import format_value, knob
 from variants import ldm_costs, ldm_knobs, rls
 from variants.base import DepthMixer, register
-from variants.depth_read import CarriedMemory, CarriedRead, Collected, DepthRead, Fold, WriteGradient
+from variants.depth_read import CarriedMemory, CarriedRead, DepthRead, Fold, WriteGradient
+from variants.gradients import Gathered
 from variants.layers import RMSNorm
 from variants.ops import rms_scale, unit
 from variants.tape import Recomputes, Tape, default_segment, graph_kept
@@ -526,8 +527,8 @@ class LDM(DepthMixer):
                     return state.keys, state.values, decay, state.grads, raw, exact, state.carried
             grad = None
             if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-                grad = WriteGradient()
-                k, v = Collected.apply(k, v, grad)
+                grad = WriteGradient.new()
+                k, v = Gathered.apply(grad, k, v)
             keys, values, grads, carried = state.keys + (k,), state.values + (v,), state.grads + (grad,), state.carried
             # The compiled graph cannot follow the carried memory's buffer, so a compiled model reads every write.
             if len(keys) == self.chunk and not torch.compiler.is_compiling():

@@ -146,9 +146,9 @@ def _projections_backward(dk, dkr, dvr, dsq, k, coeffs, keys, values, grads):
             dkeys.append(torch.addcmul(dc * k, c, dkr, value=-1.0))
             dvalues.append(-c * dvr)
         else:
-            grad.add("key", dc, k)
-            grad.add("key", -c, dkr)
-            grad.add("value", -c, dvr)
+            grad.key.add(dc, k)
+            grad.key.add(-c, dkr)
+            grad.value.add(-c, dvr)
             dkeys.append(None)
             dvalues.append(None)
     return dkeys, dvalues
@@ -157,8 +157,8 @@ def _projections_backward(dk, dkr, dvr, dsq, k, coeffs, keys, values, grads):
 class _Whiten(torch.autograd.Function):
     """One Gram–Schmidt step of the dual form with its backward written out (autograd's took most of ldm-rls's
     extra time: a fresh gradient tensor per earlier write and operation). ``apply(k, v, ridge, grads, *keys,
-    *values)``; ``grads`` holds one gradient collector per earlier write (``ldm.WriteGradient``, or None to return
-    that write's gradient to autograd), into which the backward adds in place, as the depth reads do."""
+    *values)``; ``grads`` holds one gradient collector per earlier write (``depth_read.WriteGradient``, or None to
+    return that write's gradient to autograd), into which the backward adds in place, as the depth reads do."""
 
     @staticmethod
     def forward(ctx, k, v, ridge, grads, *writes):
