@@ -161,7 +161,9 @@ def test_collected_write_gradients_survive_a_second_backward(spec, rng_seed):
     assert any(n.startswith("mixer.keys") for n in once)
 
 
-@pytest.mark.parametrize("spec", ["attnres", "attnres-block", "attnres-block(block_size=3)", "denseformer"])
+@pytest.mark.parametrize(
+    "spec", ["attnres", "attnres-block", "attnres-block(block_size=2)", "attnres-block(block_size=3)", "denseformer"]
+)
 def test_depth_mixers_fast_path_equals_reference_values_and_gradients(spec, rng_seed):
     fast, reference = _model_pair(spec)
     assert fast.mixer.impl == "fused"
