@@ -189,33 +189,71 @@ def test_depth_mixers_fast_path_equals_reference_values_and_gradients(spec, rng_
         torch.testing.assert_close(p.grad, 2 * once[name], rtol=1e-12, atol=1e-14, msg=name)
 
 
-def test_denseformer_gathers_each_output_gradient_in_one_buffer(monkeypatch, rng_seed):
-    """Every DWA adds its share of a block output's gradient into that output's buffer, and autograd gets one
-    gradient per output: no DWA hands autograd a fresh tensor per output it read. Gradients stay the reference's
-    (test above)."""
+def test_denseformer_outputs_live_in_one_buffer_and_take_their_gradient_once(monkeypatch, rng_seed):
+    """The DWAs read the block outputs from one buffer and hand autograd no gradient for them; each output's
+    ``Stored`` node returns its whole gradient once, after every DWA that read it. Autograd saves nothing per
+    output. Gradients stay the reference's (test above)."""
     from variants import denseformer
 
     model = build_model(model_preset("tiny", n_blocks=3), "denseformer").to(torch.float64)
-    returned = []
-    backward = denseformer.WeightedAverage.backward
+    with torch.no_grad():  # away from the identity, where the older outputs' weights are exactly zero
+        for p in model.mixer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    order = []
+    for fn, tag in ((denseformer.WeightedAverage, "dwa"), (denseformer.Stored, "out")):
+        backward = fn.backward
 
-    def counting(ctx, dy):
-        grads = backward(ctx, dy)
-        returned.append(sum(g is not None for g in grads[2:]))
-        return grads
+        def recording(ctx, *grads, backward=backward, tag=tag):
+            result = backward(ctx, *grads)
+            order.append((tag, ctx.i if tag == "dwa" else ctx.j, result))
+            return result
 
-    monkeypatch.setattr(denseformer.WeightedAverage, "backward", staticmethod(counting))
+        monkeypatch.setattr(fn, "backward", staticmethod(recording))
     idx = torch.randint(0, 512, (2, 12))
-    model(idx).square().mean().backward()
-    assert len(returned) == 3 and returned == [0, 0, 0]
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    returned.clear()
-    monkeypatch.setattr(model.mixer, "_source", lambda x: (x, None))  # every output's gradient through autograd
-    model(idx).square().mean().backward()
-    assert returned == [4, 3, 2]  # the DWA after block i read i + 1 outputs
-    for g, p in zip(got, model.parameters()):
-        torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-14)
+    saved = {}
+    for name, m in (("denseformer", model), ("preln", build_model(model_preset("tiny", n_blocks=3), "preln"))):
+        shapes = saved[name] = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, shapes=shapes: shapes.append(t.shape) or t, lambda t: t
+        ):
+            loss = m.to(torch.float64)(idx).square().mean()
+    loss = model(idx).square().mean()
+    loss.backward()
+    dwa = [(i, r) for tag, i, r in order if tag == "dwa"]
+    out = [(j, r) for tag, j, r in order if tag == "out"]
+    assert [i for i, _ in dwa] == [2, 1, 0] and sorted(j for j, _ in out) == [0, 1, 2, 3]
+    assert all(g is None for _, r in dwa for g in r[1:])  # no gradient for any output through autograd
+    for j, r in out:
+        assert r[0] is not None and r[0].abs().sum() > 0
+        # every DWA that read X_j (DWA i reads X_0 .. X_{i+1}) ran its backward before X_j's
+        later = [k for k, (tag, i, _) in enumerate(order) if tag == "dwa" and i >= j - 1]
+        assert max(later) < order.index(next(o for o in order if o[0] == "out" and o[1] == j))
+    # The buffer holds the outputs, not autograd: it saves as many per-token tensors as PreLN's decoder does.
+    per_token = {name: sum(1 for shape in shapes if shape[:2] == (2, 12)) for name, shapes in saved.items()}
+    assert per_token["denseformer"] == per_token["preln"]
+
+
+def test_denseformer_output_read_by_a_dwa_without_gradient_gets_only_the_others_share(rng_seed):
+    """Where a later DWA's result does not reach the loss, its backward never runs: its row of the buffer still
+    holds a block output, which must not count as its gradient."""
+    from variants import denseformer
+
+    xs = [torch.randn(2, 5, 4, **F64, requires_grad=True) for _ in range(3)]
+    alphas = [torch.randn(2, **F64, requires_grad=True), torch.randn(3, **F64, requires_grad=True)]
+    buf = denseformer.OutputBuffer(xs[0], 2)
+    handles = [denseformer.Stored.apply(xs[0], buf, 0), denseformer.Stored.apply(xs[1], buf, 1)]
+    y0 = denseformer.WeightedAverage.apply(alphas[0], buf, 0, *handles)
+    handles.append(denseformer.Stored.apply(xs[2], buf, 2))
+    denseformer.WeightedAverage.apply(alphas[1], buf, 1, *handles)  # its result is not used
+    weight = torch.randn_like(y0)
+    (y0 * weight).sum().backward()
+    got = [x.grad.clone() for x in xs[:2]] + [alphas[0].grad.clone()]
+    for x in xs + alphas:
+        x.grad = None
+    ((alphas[0][0] * xs[0] + alphas[0][1] * xs[1]) * weight).sum().backward()
+    for g, x in zip(got, xs[:2] + alphas[:1]):
+        torch.testing.assert_close(g, x.grad, rtol=1e-12, atol=1e-14)
+    assert xs[2].grad is None and alphas[1].grad is None
 
 
 def _whiten_formula(k, v, ridge, *writes):
