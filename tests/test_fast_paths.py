@@ -256,6 +256,33 @@ def test_denseformer_output_read_by_a_dwa_without_gradient_gets_only_the_others_
     assert xs[2].grad is None and alphas[1].grad is None
 
 
+def test_attnres_source_read_by_a_reader_without_gradient_gets_only_the_others_share(rng_seed):
+    """Full AttnRes leaves each reader's ∂a over the values' memory; where a later reader's result does not reach
+    the loss, its backward never runs and its row still holds a value (here NaN), which must count as zero."""
+    from variants import attnres
+
+    b, t, d = 2, 5, 6
+    e, v0, v1 = (torch.randn(b, t, d, **F64, requires_grad=True) for _ in range(3))
+    queries = torch.randn(2, d, **F64, requires_grad=True)  # readers 1 and 2 (the head)
+    buf = attnres.DepthBuffers(e, queries)
+    buf.values.fill_(float("nan"))  # what fresh memory may hold where nothing was stored
+    handles = [attnres.FusedWrite.apply(e, queries, buf, 0), attnres.FusedWrite.apply(v0, queries, buf, 1)]
+    a1 = attnres.FusedRead.apply(buf, 1, *handles)
+    handles.append(attnres.FusedWrite.apply(v1, queries, buf, 2))
+    attnres.FusedRead.apply(buf, 2, *handles)  # its result is not used
+    weight = torch.randn_like(a1)
+    (a1 * weight).sum().backward()
+    got = [x.grad.clone() for x in (e, v0, queries)]
+    for x in (e, v0, v1, queries):
+        x.grad = None
+    keys = [attnres.rms_normalize(x) for x in (e, v0)]
+    a, _ = attnres.depth_attention(queries[0], keys, [e, v0])
+    (a * weight).sum().backward()
+    for g, x in zip(got, (e, v0, queries)):
+        torch.testing.assert_close(g, x.grad, rtol=1e-12, atol=1e-14)
+    assert v1.grad is None
+
+
 def _whiten_formula(k, v, ridge, *writes):
     """The Gram–Schmidt step of the RLS dual form, as plain tensor algebra for autograd."""
     n = len(writes) // 2

@@ -13,9 +13,10 @@ stacks every earlier key and value and attends over them, so autograd keeps a fr
 O(L²·d) floats per token. ``fused``, the default, keeps every value once in one buffer and, because the query is
 input-independent, turns the logits into ``ρ_s (v_s · w_r)`` with ``ρ_s`` the key norm's scale: each value's logits
 for all later readers are one matrix product when it is written. A read is then a softmax over a row of that table
-and one batched product; its backward leaves ``∂a_r`` and the logits' gradients in buffers, and each write's
-backward collects its value's gradient from them at once (``FusedWrite``). Nothing per (read, source) pair is
-saved or allocated. tests/test_fast_paths.py holds it to the reference in float64.
+and one batched product; its backward leaves ``∂a_r`` and the logits' gradients in buffers (``∂a_r`` over value
+``r + 1``, which no read still to run needs), and each write's backward collects its value's gradient from them at
+once (``FusedWrite``). Nothing per (read, source) pair is saved or allocated, and the outputs are let go of once
+copied into the buffer. tests/test_fast_paths.py holds it to the reference in float64.
 Axes: b batch, t time, d width, s source, r reader, n token (b·t flattened).
 """
 
@@ -29,6 +30,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer, register
+from variants.tape import graph_kept
 
 
 def mix_dtype(x: torch.Tensor) -> torch.dtype:
@@ -102,12 +104,14 @@ class DepthBuffers:
         n, L = b * t, queries.shape[0]
         dt = mix_dtype(e)
         self.shape, self.queries = (b, t, d), queries
-        self.values = e.new_empty(n, L + 1, d, dtype=dt)  # source s at [:, s]: e, v_0, ..., v_{L-1}
+        # Source s at [:, s]: e, v_0, ..., v_{L-1}; the last row takes the head's ∂a in backward (``backward_buffers``).
+        self.values = e.new_empty(n, L + 2, d, dtype=dt)
         self.scale = e.new_empty(n, L + 1, dtype=dt)  # ρ_s = 1 / sqrt(mean(v_s²) + eps)
         self.logits = e.new_zeros(n, L + 1, L + 1, dtype=dt)  # [n, s, r] = ρ_s v_s · w_r for r ≥ max(s, 1)
         self.weights = e.new_zeros(n, L + 1, L + 1, dtype=dt)  # [n, r, s] = softmax_s of reader r
         self.dlogits: torch.Tensor | None = None  # [n, s, r], filled by the reads' backward passes
         self.dreads: torch.Tensor | None = None  # [n, r, d] = ∂a_r
+        self.read_back: set[int] = set()  # the readers whose backward has run in this pass
 
     @staticmethod
     def first_reader(s: int) -> int:
@@ -115,14 +119,31 @@ class DepthBuffers:
         return max(s, 1)
 
     def backward_buffers(self) -> None:
-        if self.dreads is None:
-            n, S, d = self.values.shape
-            self.dlogits = self.values.new_zeros(n, S, S)
-            self.dreads = self.values.new_zeros(n, S, d)
+        """Reader ``r``'s ``∂a_r`` goes over source ``r + 1``: the read's backward runs after the backward of source
+        ``r + 1``'s write (which the read's output produced), and only readers after ``r`` read that source. So the
+        values' memory holds the gradients, instead of a second buffer of fresh memory, slow to touch on CPU; a
+        backward that keeps the graph for another leaves the values alone and uses a buffer of its own."""
+        n, rows, d = self.values.shape
+        if self.dlogits is None:
+            self.dlogits = self.values.new_zeros(n, rows - 1, rows - 1)
+        if graph_kept():
+            if self.dreads is None or self.dreads.data_ptr() == self.values[:, 1:].data_ptr():
+                self.dreads = self.values.new_zeros(n, rows - 1, d)
+        elif self.dreads is None:
+            self.dreads = self.values[:, 1:]
+
+    def collected_reads(self, first: int) -> torch.Tensor:
+        """``∂a_r`` of readers ``first`` .. L, with zeros for any whose backward did not run."""
+        readers = self.dreads.shape[1]
+        for r in set(range(first, readers)) - self.read_back:
+            self.dreads[:, r].zero_()
+            self.read_back.add(r)
+        return self.dreads[:, first:]
 
 
 class FusedWrite(torch.autograd.Function):
-    """Identity on source ``s``; forward stores it and its logits for every later reader, backward collects
+    """Source ``s`` into the buffers, returning a handle for the reads to take; forward stores it and its logits
+    for every later reader, backward collects
     ``∂v_s = Σ_r p_rs ∂a_r + Σ_r g_rs (ρ_s w_r − ρ_s² ℓ_rs v_s / d)`` (``g`` the logits' gradients, ``ℓ`` the
     logits) and the queries' share ``∂w_r = Σ_n g_rs ρ_s v_s`` once every read of it has run its backward."""
 
@@ -131,20 +152,24 @@ class FusedWrite(torch.autograd.Function):
         store_source(buf, v, queries, s, first=buf.first_reader(s))
         ctx.buf, ctx.s, ctx.v_dtype = buf, s, v.dtype
         ctx.set_materialize_grads(False)  # the reads return None for their sources
-        return v.view_as(v)
+        # The reads take the buffer's copy; an output is then let go of, and only its handle (empty) orders the
+        # backward passes. The embedding stays itself: reader 0 returns it.
+        return v.view_as(v) if s == 0 else v.new_empty(0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dv_in):
         buf, s = ctx.buf, ctx.s
-        n, S, d = buf.values.shape
+        S = buf.logits.shape[-1]  # readers
         first = buf.first_reader(s)
         dq = None
         with torch.autocast(buf.values.device.type, enabled=False):
             if first < S and buf.dreads is not None:
                 # Contiguous: a batched product on this strided column falls back to one call per token.
                 p = buf.weights[:, first:, s].contiguous().unsqueeze(1)  # (n, 1, r')
-                dv = torch.bmm(p, buf.dreads[:, first:]).squeeze(1)  # Σ_r p_rs ∂a_r
+                dv = torch.bmm(p, buf.collected_reads(first)).squeeze(1)  # Σ_r p_rs ∂a_r
+                if s == 0:  # the embedding's: the last write's backward of this pass
+                    buf.read_back.clear()
                 dq = add_logits_backward(buf, s, first, dv, ctx.needs_input_grad[1])
             else:
                 dv = None
@@ -170,15 +195,16 @@ class FusedRead(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, da):
         buf, r = ctx.buf, ctx.r
-        n, S, d = buf.values.shape
+        n, _, d = buf.values.shape
         buf.backward_buffers()
         with torch.autocast(buf.values.device.type, enabled=False):
             da = da.reshape(n, d).to(buf.values.dtype)
-            buf.dreads[:, r] = da
             p = buf.weights[:, r, : r + 1]
             # ∂a_rᵀ V_sᵀ rather than V_s ∂a_r: the same products, about twice as fast on CPU as batched matvecs.
             dp = torch.bmm(da.unsqueeze(1), buf.values[:, : r + 1].mT).squeeze(1)  # v_s · ∂a_r, (n, s)
             buf.dlogits[:, : r + 1, r] = p * (dp - (p * dp).sum(-1, keepdim=True))
+            buf.dreads[:, r] = da  # after the products above: it may go over source r + 1
+            buf.read_back.add(r)
         return (None, None) + (None,) * ctx.n_sources
 
 
