@@ -126,11 +126,8 @@ class DepthBuffers:
         n, rows, d = self.values.shape
         if self.dlogits is None:
             self.dlogits = self.values.new_zeros(n, rows - 1, rows - 1)
-        if graph_kept():
-            if self.dreads is None or self.dreads.data_ptr() == self.values[:, 1:].data_ptr():
-                self.dreads = self.values.new_zeros(n, rows - 1, d)
-        elif self.dreads is None:
-            self.dreads = self.values[:, 1:]
+        if self.dreads is None:  # kept by a backward that kept the graph, for the next one
+            self.dreads = self.values.new_zeros(n, rows - 1, d) if graph_kept() else self.values[:, 1:]
 
     def collected_reads(self, first: int) -> torch.Tensor:
         """``∂a_r`` of readers ``first`` .. L, with zeros for any whose backward did not run."""

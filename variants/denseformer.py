@@ -9,12 +9,12 @@ so at the start this is PreLN exactly. Our layers are sublayers, so as in the pa
 block, i.e. after every second layer (attention, MLP); a trailing odd layer counts as a block of its own. The
 paper's dilation and period options (sparser DWA) are not implemented. ``mixer.impl``: ``fused`` (the default)
 keeps the block outputs in one buffer, a row each (``OutputBuffer``), so that a DWA is one matrix-vector product
-over its rows (``WeightedAverage``) and so is its weights' gradient; each DWA's backward leaves ``∂Y_i`` in a
-second buffer, and each output's gradient ``Σ_i α_{i,j} ∂Y_i`` is one product over the DWAs that read it
-(``Stored``), taken once they have all run. A DWA then reads each output once in forward and once in backward
-instead of making a pass over it and over its sum for every term. ``reference`` stacks them as the formula reads
-(autograd then saves a fresh (b, t, d, s) stack per DWA, O(L²·d) floats per token). tests/test_fast_paths.py holds
-them equal in float64. Axes: b batch, t time, d width, s source.
+over its rows (``WeightedAverage``) and so is its weights' gradient; each DWA's backward leaves ``∂Y_i`` in the
+row of an output no DWA still to run reads, and each output's gradient ``Σ_i α_{i,j} ∂Y_i`` is one product over
+the DWAs that read it (``Stored``), taken once they have all run. A DWA then reads each output once in forward
+and once in backward instead of making a pass over it and over its sum for every term. ``reference`` stacks them
+as the formula reads (autograd then saves a fresh (b, t, d, s) stack per DWA, O(L²·d) floats per token).
+tests/test_fast_paths.py holds them equal in float64. Axes: b batch, t time, d width, s source.
 """
 
 from __future__ import annotations
