@@ -77,21 +77,29 @@ def store_source(buf, v: torch.Tensor, queries: torch.Tensor, s: int, first: int
         buf.logits[:, s, first:] = (x @ queries[first - 1 :].to(x.dtype).mT) * rho[:, None]
 
 
+def logits_backward(dv, g, rho, logits, x, queries, queries_grad: bool) -> torch.Tensor | None:
+    """Add into ``dv`` (n, d) what the logits ``ℓ_r = ρ (x · w_r)`` of one source ``x`` (n, d) pass back,
+    ``Σ_r g_r (ρ w_r − ρ² ℓ_r x / d)`` with ``g`` their gradients and ``ℓ`` their values (n, r'), ``ρ`` the key
+    norm's scale (n, 1), ``queries`` the readers' ``w_r`` (r', d); return the queries' share ``Σ_n g_r ρ x``
+    (r', d), or None when ``queries_grad`` is false."""
+    gr = g * rho
+    dv.addmm_(gr, queries)
+    c = (g * logits).sum(-1, keepdim=True) * rho.square() / x.shape[-1]
+    dv.addcmul_(c, x, value=-1.0)
+    return gr.mT @ x if queries_grad else None
+
+
 def add_logits_backward(buf, s: int, first: int, dv: torch.Tensor, queries_grad: bool) -> torch.Tensor | None:
-    """Add into ``dv`` (n, d) what source ``s``'s logits pass back, ``Σ_r g_rs (ρ_s w_r − ρ_s² ℓ_rs v_s / d)`` with
-    ``g`` the logits' gradients in ``buf.dlogits`` (n, sources, readers), and return the queries' share
-    ``∂w_r = Σ_n g_rs ρ_s v_s`` (None when ``queries_grad`` is false)."""
-    d = buf.values.shape[-1]
-    x, rho = buf.values[:, s], buf.scale[:, s]  # (n, d), (n,)
-    g = buf.dlogits[:, s, first:]  # (n, r')
-    gr = g * rho[:, None]
-    dv.addmm_(gr, buf.queries[first - 1 :].to(x.dtype))
-    c = (g * buf.logits[:, s, first:]).sum(-1) * rho.square() / d
-    dv.addcmul_(c[:, None], x, value=-1.0)
-    if not queries_grad:
+    """``logits_backward`` for source ``s`` of the buffers, its logits' gradients from ``buf.dlogits`` (n, sources,
+    readers); the queries' share is returned as a gradient of all of ``buf.queries``."""
+    x = buf.values[:, s]
+    queries = buf.queries[first - 1 :].to(x.dtype)
+    g, logits = buf.dlogits[:, s, first:], buf.logits[:, s, first:]
+    dw = logits_backward(dv, g, buf.scale[:, s, None], logits, x, queries, queries_grad)
+    if dw is None:
         return None
     dq = torch.zeros_like(buf.queries)
-    dq[first - 1 :] = (gr.mT @ x).to(dq.dtype)
+    dq[first - 1 :] = dw.to(dq.dtype)
     return dq
 
 

@@ -35,6 +35,7 @@ from variants.attnres import (
     RMS_EPS,
     add_logits_backward,
     depth_attention,
+    logits_backward,
     mix_dtype,
     rms_normalize,
     store_source,
@@ -151,7 +152,7 @@ class BlockRead(torch.autograd.Function):
         dp = torch.bmm(da.unsqueeze(1), buf.values[:, :m].mT).squeeze(1)  # b_s · ∂a_r, (n, m), as in attnres
         if partial_terms:
             partial, query, rho, logit = partial_terms
-            dp = torch.cat([dp, torch.linalg.vecdot(partial, da).unsqueeze(-1)], dim=-1)
+            dp = torch.cat([dp, _bdot(partial, da)], dim=-1)
         g = p * (dp - _bdot(p, dp))  # the logits' gradient
         buf.dlogits[:, :m, r] = g[:, :m]
         # p_rs ∂a_r into every block's row, and the partial sum's into its block's, elementwise: a batched product
@@ -160,13 +161,9 @@ class BlockRead(torch.autograd.Function):
         buf.dvalues[:, :rows].addcmul_(p[:, :, None], da[:, None, :])
         if not partial_terms:
             return (None, None, None, None) + (None,) * m
-        # ∂ℓ/∂partial = ρ w − ρ² ℓ partial / d: added into the same row; the query's share is Σ_n g ρ partial.
-        gr = g[:, m:] * rho
-        row = buf.dvalues[:, m]
-        row.addcmul_(gr, query)
-        row.addcmul_(gr * logit * rho / partial.shape[-1], partial, value=-1.0)
-        dquery = partial.mT @ gr.squeeze(-1) if ctx.needs_input_grad[2] else None
-        return (None, None, dquery, None) + (None,) * m
+        # What the partial sum's logit passes back, into the same row.
+        dquery = logits_backward(buf.dvalues[:, m], g[:, m:], rho, logit, partial, query[None], ctx.needs_input_grad[2])
+        return (None, None, None if dquery is None else dquery[0], None) + (None,) * m
 
 
 @register("attnres-block")

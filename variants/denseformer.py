@@ -51,7 +51,9 @@ class OutputBuffer:
         self.dys = self.outputs  # where this backward pass leaves ∂Y_i (row i + 1)
         self.done: set[int] = set()  # the DWAs whose backward has run in this pass
 
-    def rows(self, buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    @staticmethod
+    def rows(buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo`` .. ``hi - 1`` of ``buf``, each flattened: the matrix the products take."""
         return buf[lo:hi].view(hi - lo, -1)
 
     def dy_row(self, i: int) -> torch.Tensor:
