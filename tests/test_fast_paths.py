@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from harness import build_model, model_preset
 from variants import ldm as ldm_module
 from variants.mhc import sinkhorn_knopp, sinkhorn_reference
-from variants.ops import dot, rms_scale, unit
+from variants.ops import dot, normalized_projection, rms_scale, unit
 from variants.streams import StreamRead, StreamWrite
 
 F64 = dict(dtype=torch.float64)
@@ -45,6 +45,19 @@ def test_dot_rms_scale_and_unit_equal_their_formulas(shape, rng_seed):
     _assert_same(rms_scale, lambda x: torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), [a])
     _assert_same(unit, lambda x: F.normalize(x, dim=-1), [a])
     assert torch.autograd.gradcheck(lambda x: rms_scale(x, 0.1), (a[..., :5].clone().requires_grad_(),))
+
+
+@pytest.mark.parametrize("shape, m", [((3, 5, 16), 6), ((2, 4, 7, 16), 24), ((1, 257), 1)])
+def test_normalized_projection_equals_its_formula(shape, m, rng_seed):
+    x, w = torch.randn(*shape, **F64), torch.randn(shape[-1], m, **F64)
+
+    def reference(x, w):
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) @ w
+
+    _assert_same(normalized_projection, reference, [x, w])
+    # With a large eps the norm's share of the gradient is not a small correction to the product's.
+    small = (x[..., :5].clone().requires_grad_(), w[:5].clone().requires_grad_())
+    assert torch.autograd.gradcheck(lambda x, w: normalized_projection(x, w, 0.1), small)
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])

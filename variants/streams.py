@@ -30,7 +30,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer
-from variants.ops import rms_scale
+from variants.ops import normalized_projection
 from variants.tape import Tape, default_segment
 
 
@@ -115,11 +115,11 @@ class ExpandedStream(DepthMixer):
         raise NotImplementedError
 
     def normalized_projection(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``RMSNorm(x) W`` with a gainless norm over the last axis of ``x``. The fused path scales the product's
-        rows instead of ``x``, so the normalized copy of ``x`` (and its gradient) is never materialized."""
+        """``RMSNorm(x) W`` with a gainless norm over the last axis of ``x``; the fused path is ``ops``'s, which
+        never makes the normalized copy of ``x``."""
         if self.impl == "reference":
             return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) @ weight
-        return (x @ weight) * rms_scale(x)
+        return normalized_projection(x, weight)
 
     def init_state(self, e):
         # Contiguous, not a broadcast view: the products below would otherwise fall back to one call per token.
