@@ -158,10 +158,14 @@ def test_depth_read_saves_only_the_query_and_the_writes(rng_seed):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.parametrize("spec", ["ldm", "ldm-rls(groups=4)"])
-def test_collected_write_gradients_survive_a_second_backward(spec, rng_seed):
-    """The reads add a write's gradient into a buffer; a second backward through the retained graph must start
-    from zero again, so two backward passes give exactly twice the gradient of one."""
+@pytest.mark.parametrize(
+    "spec, collected",
+    [("ldm", "mixer.keys"), ("ldm-rls(groups=4)", "mixer.keys"), ("hc", "mixer.proj"), ("mhc", "mixer.phi")],
+)
+def test_collected_write_gradients_survive_a_second_backward(spec, collected, rng_seed):
+    """The reads add a write's gradient into a buffer (HC and mHC: every use of the stream adds its gradient into
+    one); a second backward through the retained graph must start from zero again, so two backward passes give
+    exactly twice the gradient of one."""
     model = build_model(model_preset("tiny", n_blocks=2), spec).to(torch.float64)
     idx = torch.randint(0, 512, (2, 9))
     loss = model(idx).square().mean()
@@ -171,7 +175,7 @@ def test_collected_write_gradients_survive_a_second_backward(spec, rng_seed):
     for name, p in model.named_parameters():
         if name in once:
             torch.testing.assert_close(p.grad, 2 * once[name], rtol=1e-12, atol=1e-14, msg=name)
-    assert any(n.startswith("mixer.keys") for n in once)
+    assert any(n.startswith(collected) for n in once)
 
 
 @pytest.mark.parametrize(

@@ -21,12 +21,20 @@ class GradientSum:
     def __init__(self):
         self.buf: torch.Tensor | None = None
 
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Add ``a * b``."""
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Add ``a * b``; returns the sum, to which a caller may add more in place."""
         if self.buf is None:
             self.buf = a * b
         else:
             self.buf.addcmul_(a, b)
+        return self.buf
+
+    def add_tensor(self, t: torch.Tensor) -> None:
+        """Add ``t``, a fresh tensor the sum may take over as its buffer."""
+        if self.buf is None:
+            self.buf = t
+        else:
+            self.buf.add_(t)
 
     def take(self, incoming: torch.Tensor | None) -> torch.Tensor | None:
         """The sum plus any gradient that reached the tensor another way, emptying the sum."""

@@ -118,13 +118,14 @@ class ManifoldHyperConnections(ExpandedStream):
         b_res = torch.full((n, n), OFF_DIAGONAL_LOGIT).fill_diagonal_(0.0)
         self.bias = nn.Parameter(torch.cat([torch.zeros(2 * n), b_res.flatten()]).repeat(n_layers, 1))
 
-    def coefficients(self, X: torch.Tensor, layer: int):
-        """``H^pre`` (b, t, k), ``H^post`` (b, t, j) and ``H^res`` (b, t, j, k) of ``layer`` for streams ``X``."""
-        b, t, n, d = X.shape
+    def coefficients(self, X: torch.Tensor, layer: int, grad=None):
+        """``H^pre`` (b, t, k), ``H^post`` (b, t, j) and ``H^res`` (b, t, j, k) of ``layer`` for streams ``X``;
+        ``grad`` as in ``connections``."""
+        b, t, n, _ = X.shape
         dt = mix_dtype(X)
         with torch.autocast(X.device.type, enabled=False):
-            x = X.to(dt).reshape(b, t, n * d)  # vec(X): (b, t, n·d)
-            z = self.normalized_projection(x, self.phi[layer].to(dt))  # RMSNorm(vec(X)) φ, (b, t, n·n + 2n)
+            # RMSNorm(vec(X)) φ, (b, t, n·n + 2n): the norm over all n·d channels of a token at once.
+            z = self.normalized_projection(X.to(dt), self.phi[layer].to(dt), dims=2, grad=grad)
         alpha, bias = self.alpha[layer].to(dt), self.bias[layer].to(dt)
         pre = torch.sigmoid(alpha[0] * z[..., :n] + bias[:n])
         post = 2.0 * torch.sigmoid(alpha[1] * z[..., n : 2 * n] + bias[n : 2 * n])
@@ -132,8 +133,8 @@ class ManifoldHyperConnections(ExpandedStream):
         project = sinkhorn_reference if self.impl == "reference" else sinkhorn_knopp
         return pre, post, project(res_logits, self.iters)
 
-    def connections(self, X, layer):
-        pre, post, res = self.coefficients(X, layer)
+    def connections(self, X, layer, grad=None):
+        pre, post, res = self.coefficients(X, layer, grad)
         return pre, res, post
 
     def extra_flops_per_token(self):

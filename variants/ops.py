@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from variants.gradients import GradientSum
+
 
 def _bdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # A batch of 1×c by c×1 products: several times faster on CPU than a product and a sum over a short last axis.
@@ -88,9 +90,11 @@ def unit(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
 
 class _NormalizedProjection(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        r = torch.rsqrt(_norm(x).square_().div_(x.shape[-1]).add_(eps))
-        y = (x @ weight).mul_(r)
+    def forward(ctx, x, weight, eps, dims, grad):
+        flat = x.flatten(-dims) if dims > 1 else x
+        r = torch.rsqrt(_norm(flat).square_().div_(flat.shape[-1]).add_(eps))
+        y = (flat @ weight).mul_(r)
+        ctx.dims, ctx.grad = dims, grad
         ctx.save_for_backward(x, weight, r, y)
         return y
 
@@ -98,23 +102,29 @@ class _NormalizedProjection(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, weight, r, y = ctx.saved_tensors
-        c = x.shape[-1]
-        dz = dy * r  # the product's gradient, (..., m) with m a few dozen at most
+        c, m = weight.shape
+        dz = (dy * r).reshape(-1, m)  # the product's gradient, with m a few dozen at most
         dx = dweight = None
         if ctx.needs_input_grad[0]:
             # d r / d x = -r³ x / c and Σ_m dy z r³ = Σ_m dy y r²: the norm's share is x scaled per row. The product's
-            # share is added into it in place, so the (..., c) gradient is made once instead of twice and summed.
-            coef = _bdot(dy, y).mul_(r.square()).div_(-c)
-            dx = x * coef
-            dx.view(-1, c).addmm_(dz.reshape(-1, dz.shape[-1]), weight.mT)
+            # share is added onto it in place, so x's gradient is made once, not twice and summed, or not at all
+            # when it goes into the sum of every use of x (``ctx.grad``).
+            coef = _bdot(dy, y).mul_(r.square()).div_(-c).view(*dy.shape[:-1], *(1,) * ctx.dims)
+            total = x * coef if ctx.grad is None else ctx.grad.add(x, coef)
+            total.view(-1, c).addmm_(dz, weight.mT)
+            dx = total if ctx.grad is None else None
         if ctx.needs_input_grad[1]:
-            dweight = x.reshape(-1, c).mT @ dz.reshape(-1, dz.shape[-1])
-        return dx, dweight, None
+            dweight = x.reshape(-1, c).mT @ dz
+        return dx, dweight, None, None, None
 
 
-def normalized_projection(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``RMSNorm(x) W`` with a gainless norm over the last axis of ``x``: (..., c) by (c, m) -> (..., m).
+def normalized_projection(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, dims: int = 1, grad: GradientSum | None = None
+) -> torch.Tensor:
+    """``RMSNorm(x) W`` with a gainless norm over the last ``dims`` axes of ``x`` taken as one: (..., c) by (c, m)
+    -> (..., m), with ``c`` those axes' size.
 
     The product's rows are scaled instead of ``x``, so the normalized copy of ``x`` and its gradient are never
-    made, and backward makes ``x``'s gradient in one buffer: its product's share is added in place onto the norm's."""
-    return _NormalizedProjection.apply(x, weight, eps)
+    made. Backward makes ``x``'s gradient in one buffer, the product's share added in place onto the norm's; given a
+    ``GradientSum`` of ``x`` (``variants/gradients.py``), it adds that gradient there instead and returns none."""
+    return _NormalizedProjection.apply(x, weight, eps, dims, grad)

@@ -30,6 +30,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer
+from variants.gradients import Gathered, GradientSum
 from variants.ops import normalized_projection
 from variants.tape import Tape, default_segment
 
@@ -40,11 +41,13 @@ def mix_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class StreamRead(torch.autograd.Function):
-    """``a = Σ_k pre_k X_k``: ``pre`` (..., k), ``X`` (..., k, d) -> (..., d)."""
+    """``a = Σ_k pre_k X_k``: ``pre`` (..., k), ``X`` (..., k, d) -> (..., d). Given ``grad``, the ``GradientSum`` of
+    ``X``, backward adds ``X``'s gradient there and returns none (as ``StreamWrite`` and the connections do)."""
 
     @staticmethod
-    def forward(ctx, pre, X):
+    def forward(ctx, pre, X, grad=None):
         pre = pre.contiguous()  # static weights arrive broadcast over tokens; the product wants real strides
+        ctx.grad = grad
         ctx.save_for_backward(pre, X)
         return (pre.unsqueeze(-2) @ X).squeeze(-2)
 
@@ -54,8 +57,13 @@ class StreamRead(torch.autograd.Function):
         pre, X = ctx.saved_tensors
         # daᵀ Xᵀ rather than X da: the same products, about twice as fast on CPU as batched matvecs.
         dpre = (da.unsqueeze(-2) @ X.mT).squeeze(-2) if ctx.needs_input_grad[0] else None  # X_k · da
-        dX = pre.unsqueeze(-1) * da.unsqueeze(-2) if ctx.needs_input_grad[1] else None  # pre ⊗ da
-        return dpre, dX
+        dX = None
+        if ctx.needs_input_grad[1]:  # pre ⊗ da
+            if ctx.grad is None:
+                dX = pre.unsqueeze(-1) * da.unsqueeze(-2)
+            else:
+                ctx.grad.add(pre.unsqueeze(-1), da.unsqueeze(-2))
+        return dpre, dX, None
 
 
 def stream_write(res: torch.Tensor, X: torch.Tensor, post: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -69,8 +77,9 @@ class StreamWrite(torch.autograd.Function):
     """``Y = res X + post ⊗ v``: ``res`` (..., j, k), ``X`` (..., k, d), ``post`` (..., j), ``v`` (..., d)."""
 
     @staticmethod
-    def forward(ctx, res, X, post, v, tape=None, layer=None):
+    def forward(ctx, res, X, post, v, tape=None, layer=None, grad=None):
         res, post = res.contiguous(), post.contiguous()
+        ctx.grad = grad
         ctx.save_for_backward(res, X, post, v)
         if tape is not None:
             tape.writes[layer] = (res.detach(), post.detach(), v.detach())
@@ -85,9 +94,12 @@ class StreamWrite(torch.autograd.Function):
         dY = dY.contiguous()
         dres = dY @ X.mT if need[0] else None  # dY_j · X_k
         dX = res.mT @ dY if need[1] else None
+        if dX is not None and ctx.grad is not None:
+            ctx.grad.add_tensor(dX)
+            dX = None
         dpost = (v.unsqueeze(-2) @ dY.mT).squeeze(-2) if need[2] else None  # dY_j · v, as dpre in StreamRead
         dv = (post.unsqueeze(-2) @ dY).squeeze(-2) if need[3] else None  # Σ_j post_j dY_j
-        return dres, dX, dpost, dv, None, None
+        return dres, dX, dpost, dv, None, None, None
 
 
 class StreamTape(Tape):
@@ -110,26 +122,39 @@ class ExpandedStream(DepthMixer):
     def segment(self) -> int:
         return self.stream_segment or default_segment(self.n_layers)
 
-    def connections(self, X: torch.Tensor, layer: int):
-        """``pre`` (b, t, k), ``res`` (b, t, j, k) and ``post`` (b, t, j) of ``layer`` for streams ``X``."""
+    def connections(self, X: torch.Tensor, layer: int, grad: GradientSum | None = None):
+        """``pre`` (b, t, k), ``res`` (b, t, j, k) and ``post`` (b, t, j) of ``layer`` for streams ``X``; ``grad``,
+        where ``X``'s gradient is summed, goes on to ``normalized_projection``."""
         raise NotImplementedError
 
-    def normalized_projection(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``RMSNorm(x) W`` with a gainless norm over the last axis of ``x``; the fused path is ``ops``'s, which
-        never makes the normalized copy of ``x``."""
+    def normalized_projection(self, x, weight, *, dims: int = 1, grad: GradientSum | None = None) -> torch.Tensor:
+        """``RMSNorm(x) W`` with a gainless norm over the last ``dims`` axes of ``x`` taken as one; the fused path
+        is ``ops``'s, which never makes the normalized copy of ``x``."""
         if self.impl == "reference":
+            x = x.flatten(-dims)
             return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) @ weight
-        return normalized_projection(x, weight)
+        return normalized_projection(x, weight, dims=dims, grad=grad)
 
     def init_state(self, e):
         # Contiguous, not a broadcast view: the products below would otherwise fall back to one call per token.
         X = e.to(mix_dtype(e)).unsqueeze(-2).expand(*e.shape[:-1], self.n, e.shape[-1]).contiguous()
-        # A dict so that read can leave the connections it computed for write, which sees the same X.
-        state = {"X": X}
         segment = self.segment()
         # Under torch.compile the compiler plans what to save; eager training without gradients saves nothing.
+        tape = None
         if self.impl == "fused" and segment > 1 and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            state["tape"] = StreamTape(segment)
+            tape = StreamTape(segment)
+        return self._state(X, tape)
+
+    def _state(self, X, tape):
+        # A dict so that read can leave the connections it computed for write, which sees the same X.
+        state = {"X": X}
+        if tape is not None:
+            state["tape"] = tape
+        # The write, the read and the connections each use X: on the fused path they add X's gradient into one
+        # sum, which Gathered hands to autograd, instead of each making an (n·d)-float gradient to be added up.
+        if self.impl == "fused" and X.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            state["grad"] = GradientSum()
+            (state["X"],) = Gathered.apply((state["grad"],), X)
         return state
 
     @staticmethod
@@ -140,29 +165,29 @@ class ExpandedStream(DepthMixer):
     def read(self, state, layer):
         X = state["X"]
         with self._saving(state, layer):
-            pre, res, post = self.connections(X, layer)
+            pre, res, post = self.connections(X, layer, state.get("grad"))
             state["connections"] = (layer, pre, res, post)
             for key, value in (("pre", pre), ("res", res), ("post", post)):
                 self.record(key, layer, value)
             with torch.autocast(X.device.type, enabled=False):
                 if self.impl == "reference":
                     return torch.einsum("btk,btkd->btd", pre, X)
-                return StreamRead.apply(pre, X)
+                return StreamRead.apply(pre, X, state.get("grad"))
 
     def write(self, state, layer, out):
         X, tape = state["X"], state.get("tape")
         with self._saving(state, layer):
             cached = state.get("connections")
             if cached is None or cached[0] != layer:
-                cached = (layer, *self.connections(X, layer))
+                cached = (layer, *self.connections(X, layer, state.get("grad")))
             _, pre, res, post = cached
             with torch.autocast(X.device.type, enabled=False):
                 v = out.to(X.dtype)
                 if self.impl == "reference":
                     X = torch.einsum("btjk,btkd->btjd", res, X) + post.unsqueeze(-1) * v.unsqueeze(-2)
                 else:
-                    X = StreamWrite.apply(res, X, post, v, tape, layer)
-        return {"X": X, "tape": tape} if tape is not None else {"X": X}
+                    X = StreamWrite.apply(res, X, post, v, tape, layer, state.get("grad"))
+        return self._state(X, tape)
 
     def read_head(self, state):
         return state["X"].sum(-2)
