@@ -31,20 +31,16 @@ def flops_per_token(mixer) -> tuple[int, int]:
     mm = other = 0
 
     def mlps(*outs: int) -> None:
-        # Matmuls 2·d·h + 2·h·o each; biases h + o, SiLU ≈ 4h. The RMS statistic is a dot product (2d) and one
-        # scaling (d) shared by the pass in the dual form, a norm of its own (≈ 4d) per MLP in the recurrent one.
+        # Matmuls 2·d·h + 2·h·o each; biases h + o, SiLU ≈ 4h. The RMS statistic is a norm (2d) and one scaling
+        # (d) shared by the pass in the dual form, a norm of its own (≈ 4d) per MLP in the recurrent one.
         nonlocal mm, other
         mm += sum(2 * d * h + 2 * h * o for o in outs)
-        other += sum(5 * h + o for o in outs)
-        if dual:
-            mm, other = mm + 2 * d, other + d
-        else:
-            other += 4 * d * len(outs)
+        other += sum(5 * h + o for o in outs) + (3 * d if dual else 4 * d * len(outs))
 
     def unit() -> None:
-        # G vectors of width d_k: squared norm (a dot product in the dual form), square root, division.
-        nonlocal mm, other
-        mm, other = (mm + 2 * G * dk, other + G * dk + G) if dual else (mm, other + 3 * G * dk + G)
+        # G vectors of width d_k: norm, clamp, division.
+        nonlocal other
+        other += 3 * G * dk + G
 
     chunk = mixer.chunk if dual else 0
 
