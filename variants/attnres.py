@@ -147,10 +147,10 @@ class DepthBuffers:
 
 
 class FusedWrite(torch.autograd.Function):
-    """Source ``s`` into the buffers, returning a handle for the reads to take; forward stores it and its logits
-    for every later reader, backward collects
-    ``∂v_s = Σ_r p_rs ∂a_r + Σ_r g_rs (ρ_s w_r − ρ_s² ℓ_rs v_s / d)`` (``g`` the logits' gradients, ``ℓ`` the
-    logits) and the queries' share ``∂w_r = Σ_n g_rs ρ_s v_s`` once every read of it has run its backward."""
+    """Source ``s`` into the buffers, returning a handle for the reads to take. Forward stores it and its logits
+    for every later reader; backward collects ``∂v_s = Σ_r p_rs ∂a_r + Σ_r g_rs (ρ_s w_r − ρ_s² ℓ_rs v_s / d)``
+    (``g`` the logits' gradients, ``ℓ`` the logits) and the queries' share ``∂w_r = Σ_n g_rs ρ_s v_s`` once every
+    read of it has run its backward."""
 
     @staticmethod
     def forward(ctx, v, queries, buf: DepthBuffers, s: int):

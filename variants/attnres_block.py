@@ -41,7 +41,7 @@ from variants.attnres import (
     store_source,
 )
 from variants.base import DepthMixer, register
-from variants.ops import _bdot
+from variants.ops import _bdot, _rms
 
 
 class BlockBuffers:
@@ -126,8 +126,7 @@ class BlockRead(torch.autograd.Function):
         logits = buf.logits[:, :m, r]
         if partial is not None:
             partial = partial.reshape(-1, partial.shape[-1])
-            sq = torch.linalg.vector_norm(partial, dim=-1, keepdim=True).square_()  # one pass, unlike a dot
-            rho = torch.rsqrt(sq / partial.shape[-1] + RMS_EPS)  # (n, 1)
+            rho = _rms(partial, RMS_EPS)  # (n, 1)
             logits = torch.cat([logits, (partial @ query).unsqueeze(-1).mul_(rho)], dim=-1)
         p = torch.softmax(logits, dim=-1)  # (n, m) or (n, m + 1)
         if m == 1:  # the embedding alone: a batched product with one term runs per token

@@ -26,6 +26,11 @@ def _norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 
 
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(x²) + eps)`` over the last axis, kept as an axis of 1, outside autograd."""
+    return torch.rsqrt(_norm(x).square_().div_(x.shape[-1]).add_(eps))
+
+
 class _Dot(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
@@ -48,7 +53,7 @@ def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class _RMSScale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, eps):
-        r = torch.rsqrt(_norm(x).square_().div_(x.shape[-1]).add_(eps))
+        r = _rms(x, eps)
         ctx.save_for_backward(x, r)
         return r
 
@@ -92,7 +97,7 @@ class _NormalizedProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, dims, grad):
         flat = x.flatten(-dims) if dims > 1 else x
-        r = torch.rsqrt(_norm(flat).square_().div_(flat.shape[-1]).add_(eps))
+        r = _rms(flat, eps)
         y = (flat @ weight).mul_(r)
         ctx.dims, ctx.grad = dims, grad
         ctx.save_for_backward(x, weight, r, y)

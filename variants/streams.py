@@ -139,11 +139,11 @@ class ExpandedStream(DepthMixer):
         # Contiguous, not a broadcast view: the products below would otherwise fall back to one call per token.
         X = e.to(mix_dtype(e)).unsqueeze(-2).expand(*e.shape[:-1], self.n, e.shape[-1]).contiguous()
         segment = self.segment()
-        # Under torch.compile the compiler plans what to save; eager training without gradients saves nothing.
-        tape = None
-        if self.impl == "fused" and segment > 1 and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            tape = StreamTape(segment)
-        return self._state(X, tape)
+        return self._state(X, StreamTape(segment) if segment > 1 and self._fused_autograd() else None)
+
+    def _fused_autograd(self) -> bool:
+        # Under torch.compile the compiler plans the backward; eager training without gradients saves nothing.
+        return self.impl == "fused" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
     def _state(self, X, tape):
         # A dict so that read can leave the connections it computed for write, which sees the same X.
@@ -152,7 +152,7 @@ class ExpandedStream(DepthMixer):
             state["tape"] = tape
         # The write, the read and the connections each use X: on the fused path they add X's gradient into one
         # sum, which Gathered hands to autograd, instead of each making an (n·d)-float gradient to be added up.
-        if self.impl == "fused" and X.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if X.requires_grad and self._fused_autograd():
             state["grad"] = GradientSum()
             (state["X"],) = Gathered.apply((state["grad"],), X)
         return state
