@@ -119,7 +119,9 @@ class _NormalizedProjection(torch.autograd.Function):
             total.view(-1, c).addmm_(dz, weight.mT)
             dx = total if ctx.grad is None else None
         if ctx.needs_input_grad[1]:
-            dweight = x.reshape(-1, c).mT @ dz
+            # (dzᵀ x)ᵀ, not xᵀ dz: the same product over the long token axis, 1.6 to 2.7 times faster on CPU at
+            # HC's and mHC's shapes (docs/benchmarks.md).
+            dweight = (dz.mT @ x.reshape(-1, c)).mT
         return dx, dweight, None, None, None
 
 
