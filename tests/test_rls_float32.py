@@ -2,7 +2,8 @@
 reference), under strong forgetting: every memory read and the logits within 1e-4 relative, over a sampled stress
 grid that covers every value of each axis (fixed λ 0.5–1 and learned λ pushed to its bounds; 8, 24 and 48 layers;
 key widths 4–64; 1–64 groups; ω near both of its bounds; α 0.1 and 1); and under bf16 autocast, with the state in
-float32, within twice PreLN's own bf16 error on the same input.
+float32, within twice PreLN's own bf16 error on the same input, or within 1.25 times the float32 recursion's own
+where the math's sensitivity to bf16 inputs already exceeds that.
 
 Without the margin guard of ``rls.whiten`` five of these cases fail, the worst with an overflow (inf) in the reads
 (docs/ldm-performance.md)."""
@@ -112,15 +113,20 @@ def test_float32_reads_and_logits_match_the_float64_recursion(layers, groups, ke
     ],
 )
 def test_bf16_error_within_twice_prelns_own(layers, groups, key_dim, lam, alpha, rng_seed):
+    """Within twice PreLN's bf16 error, or, on the few draws (2 to 3 in 100 at λ = 0.5, 24 layers, d_k = 4) where
+    the math itself is not, within 1.25 times that of the straightforward recursion run in float32 under the same
+    autocast: there the error comes from the bf16 rounding of the layers' outputs, which strong forgetting over
+    few key dimensions amplifies, and any implementation has it (docs/ldm-performance.md)."""
     ref, fast = _models(layers, groups, key_dim, lam, alpha)
     preln = build_model(model_preset("tiny", n_blocks=layers // 2), "preln").to(torch.float64)
     preln.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("mixer.")})
     idx = torch.randint(0, VOCAB, (B, T))
     preln_error = _rel(_run(copy.deepcopy(preln).float(), idx, bf16=True)[0], _run(preln, idx)[0])
     want_logits, _, _ = _run(ref, idx)
+    recursion_error = _rel(_run(copy.deepcopy(ref).float(), idx, bf16=True)[0], want_logits)
     got_logits, got_reads, _ = _run(fast, idx, bf16=True)
     assert all(m.dtype == torch.float32 for m in got_reads.values())  # the state stays float32
-    assert 0 < _rel(got_logits, want_logits) <= 2 * preln_error
+    assert 0 < _rel(got_logits, want_logits) <= max(2 * preln_error, 1.25 * recursion_error)
 
 
 @pytest.mark.parametrize("chunk", [0, 2])
