@@ -30,6 +30,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer, register
+from variants.ops import _rms
 from variants.tape import graph_kept
 
 
@@ -71,10 +72,10 @@ def store_source(buf, v: torch.Tensor, queries: torch.Tensor, s: int, first: int
     n, _, d = buf.values.shape
     x = v.reshape(n, d).to(buf.values.dtype)
     buf.values[:, s] = x
-    rho = torch.rsqrt(x.pow(2).mean(-1) + RMS_EPS)
-    buf.scale[:, s] = rho
+    rho = _rms(x, RMS_EPS)  # (n, 1)
+    buf.scale[:, s] = rho.squeeze(-1)
     if first < buf.logits.shape[-1]:
-        buf.logits[:, s, first:] = (x @ queries[first - 1 :].to(x.dtype).mT) * rho[:, None]
+        buf.logits[:, s, first:] = (x @ queries[first - 1 :].to(x.dtype).mT) * rho
 
 
 def logits_backward(dv, g, rho, logits, x, queries, queries_grad: bool) -> torch.Tensor | None:
