@@ -9,17 +9,36 @@ import torch
 from harness.benchmarks import fused_probe
 from harness.errors import DepthmemError
 
-pytestmark = [
-    pytest.mark.slow,  # builds a C++ extension on first use (about a minute on two cores)
-    pytest.mark.skipif(shutil.which("g++") is None, reason="the probe builds C++ kernels and needs g++"),
-]
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="the probe builds C++ kernels and needs g++")
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    return fused_probe.kernels()
+    return fused_probe.kernels()  # built on first use: about a minute on two cores, then cached
 
 
+@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--depth", "x"], ["--repeats", "-3"]])
+def test_bad_sizes_end_with_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        fused_probe.main(argv)
+    assert exit_info.value.code == 2
+    assert "expected an integer of at least 1" in capsys.readouterr().err
+
+
+def test_a_failed_build_is_one_plain_sentence(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", no_compiler)
+    with pytest.raises(SystemExit) as exit_info:
+        fused_probe.main(["--tokens", "8"])
+    message = str(exit_info.value.code)
+    assert message.startswith("depthmem: the fused-kernel probe could not build its C++ kernels")
+    assert "Ninja is required" in message and "needs g++ with OpenMP" in message
+
+
+@needs_compiler
+@pytest.mark.slow
 @pytest.mark.parametrize("m, with_partial", [(1, False), (3, True), (5, False)])
 def test_read_kernels_equal_the_weighted_sum_and_its_gradients(kernels, m, with_partial, rng_seed):
     n, sources, d = 37, 6, 24
@@ -44,6 +63,8 @@ def test_read_kernels_equal_the_weighted_sum_and_its_gradients(kernels, m, with_
     torch.testing.assert_close(dblocks.double(), want_rows, rtol=1e-5, atol=1e-5)
 
 
+@needs_compiler
+@pytest.mark.slow
 def test_write_kernels_equal_the_stream_write_and_its_gradients(kernels, rng_seed):
     n, streams, d = 29, 4, 40
     res, X = torch.randn(n, streams, streams, dtype=torch.float64), torch.randn(n, streams, d, dtype=torch.float64)
@@ -59,6 +80,8 @@ def test_write_kernels_equal_the_stream_write_and_its_gradients(kernels, rng_see
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
 
 
+@needs_compiler
+@pytest.mark.slow
 def test_probe_times_both_operations_and_refuses_a_kernel_that_disagrees(kernels, rng_seed):
     gen = torch.Generator().manual_seed(rng_seed)
     sizes = dict(tokens=64, width=32, repeats=1, gen=gen)

@@ -32,6 +32,23 @@ from variants.streams import StreamWrite
 _KERNELS = r"""
 #include <torch/extension.h>
 
+// dst += w * x over d floats.
+static inline void axpy(float w, const float* x, float* dst, int64_t d) {
+#pragma omp simd
+  for (int64_t k = 0; k < d; ++k) dst[k] += w * x[k];
+}
+
+// Returns x . g and adds w * g into dst, in one sweep: a backward's dot product and gradient row together.
+static inline float dot_axpy(const float* x, const float* g, float w, float* dst, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t k = 0; k < d; ++k) {
+    acc += x[k] * g[k];
+    dst[k] += w * g[k];
+  }
+  return acc;
+}
+
 // a[t] = sum_{s<m} p[t,s] b[t,s] (+ p[t,m] partial[t]); b is (tokens, sources, d) with any row strides.
 torch::Tensor read_forward(torch::Tensor p, torch::Tensor b, int64_t m, c10::optional<torch::Tensor> partial) {
   const int64_t n = b.size(0), d = b.size(2), ps = p.stride(0), bs0 = b.stride(0), bs1 = b.stride(1);
@@ -43,13 +60,8 @@ torch::Tensor read_forward(torch::Tensor p, torch::Tensor b, int64_t m, c10::opt
     float* at = A + t * d;
     const float* pt = P + t * ps;
     for (int64_t k = 0; k < d; ++k) at[k] = 0.f;
-    for (int64_t s = 0; s <= m; ++s) {
-      if (s == m && !X) break;
-      const float* src = s < m ? B + t * bs0 + s * bs1 : X + t * d;
-      const float w = pt[s];
-#pragma omp simd
-      for (int64_t k = 0; k < d; ++k) at[k] += w * src[k];
-    }
+    for (int64_t s = 0; s < m; ++s) axpy(pt[s], B + t * bs0 + s * bs1, at, d);
+    if (X) axpy(pt[m], X + t * d, at, d);
   }
   return a;
 }
@@ -68,15 +80,7 @@ torch::Tensor read_backward(torch::Tensor da, torch::Tensor p, torch::Tensor b, 
     const float* g = G + t * d;
     for (int64_t s = 0; s < rows; ++s) {
       const float* src = s < m ? B + t * bs0 + s * bs1 : X + t * d;
-      float* dst = DB + t * gs0 + s * gs1;
-      const float w = P[t * ps + s];
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t k = 0; k < d; ++k) {
-        acc += src[k] * g[k];
-        dst[k] += w * g[k];
-      }
-      DP[t * rows + s] = acc;
+      DP[t * rows + s] = dot_axpy(src, g, P[t * ps + s], DB + t * gs0 + s * gs1, d);
     }
   }
   return dp;
@@ -97,12 +101,7 @@ torch::Tensor write_forward(torch::Tensor res, torch::Tensor X, torch::Tensor po
       const float* vt = vv + t * d;
 #pragma omp simd
       for (int64_t k = 0; k < d; ++k) yj[k] = pj * vt[k];
-      for (int64_t i = 0; i < n; ++i) {
-        const float w = r[(t * n + j) * n + i];
-        const float* xi = x + (t * n + i) * d;
-#pragma omp simd
-        for (int64_t k = 0; k < d; ++k) yj[k] += w * xi[k];
-      }
+      for (int64_t i = 0; i < n; ++i) axpy(r[(t * n + j) * n + i], x + (t * n + i) * d, yj, d);
     }
   }
   return Y;
@@ -124,26 +123,9 @@ std::vector<torch::Tensor> write_backward(torch::Tensor dY, torch::Tensor res, t
     float* gvt = gv + t * d;
     for (int64_t j = 0; j < n; ++j) {
       const float* gj = g + (t * n + j) * d;
-      const float pj = p[t * n + j];
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t k = 0; k < d; ++k) {
-        acc += gj[k] * vt[k];
-        gvt[k] += pj * gj[k];
-      }
-      gp[t * n + j] = acc;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* xi = x + (t * n + i) * d;
-        float* gxi = gx + (t * n + i) * d;
-        const float w = r[(t * n + j) * n + i];
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t k = 0; k < d; ++k) {
-          dot += gj[k] * xi[k];
-          gxi[k] += w * gj[k];
-        }
-        gr[(t * n + j) * n + i] = dot;
-      }
+      gp[t * n + j] = dot_axpy(vt, gj, p[t * n + j], gvt, d);
+      for (int64_t i = 0; i < n; ++i)
+        gr[(t * n + j) * n + i] = dot_axpy(x + (t * n + i) * d, gj, r[(t * n + j) * n + i], gx + (t * n + i) * d, d);
     }
   }
   return {dres, dX, dpost, dv};
@@ -270,33 +252,36 @@ def _timed(name: str, eager, fused, repeats: int, traffic: int, rounds: int = 5)
     }
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+    return value
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--depth", type=int, default=48, help="sublayers of the block AttnRes step (default 48)")
-    parser.add_argument("--block-size", type=int, default=4, help="block AttnRes's block size (default 4)")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per step: batch × sequence (default 2048)")
-    parser.add_argument("--width", type=int, default=256, help="model width d (default 256)")
-    parser.add_argument("--streams", type=int, default=4, help="HC's expansion n (default 4)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls per median (default 7)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's setting)")
+    parser.add_argument("--depth", type=_positive, default=48, help="sublayers of the block AttnRes step (default 48)")
+    parser.add_argument("--block-size", type=_positive, default=4, help="block AttnRes's block size (default 4)")
+    parser.add_argument(
+        "--tokens", type=_positive, default=2048, help="tokens per step: batch × sequence (default 2048)"
+    )
+    parser.add_argument("--width", type=_positive, default=256, help="model width d (default 256)")
+    parser.add_argument("--streams", type=_positive, default=4, help="HC's expansion n (default 4)")
+    parser.add_argument("--repeats", type=_positive, default=7, help="timed calls per median (default 7)")
+    parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's setting)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
+    sizes = dict(tokens=args.tokens, width=args.width, repeats=args.repeats, gen=gen)
     try:
         k = kernels()
-        reads = block_reads(
-            k,
-            depth=args.depth,
-            block_size=args.block_size,
-            tokens=args.tokens,
-            width=args.width,
-            repeats=args.repeats,
-            gen=gen,
-        )
-        write = stream_write(
-            k, streams=args.streams, tokens=args.tokens, width=args.width, repeats=args.repeats, gen=gen
-        )
+        reads = block_reads(k, depth=args.depth, block_size=args.block_size, **sizes)
+        write = stream_write(k, streams=args.streams, **sizes)
     except DepthmemError as e:
         raise SystemExit(f"depthmem: {e}") from None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.tokens} tokens, width {args.width}")
