@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from harness.benchmarks.benchmark import _time_steps
 from harness.benchmarks.quiet import OtherLoad
 from harness.errors import DepthmemError
 from variants.ops import _bdot
 from variants.streams import StreamWrite
+
+_CPU = torch.device("cpu")
 
 _KERNELS = r"""
 #include <torch/extension.h>
@@ -155,12 +157,7 @@ def kernels():
 
 def _median_ms(fn, repeats: int) -> float:
     fn()  # warm: first-touch page faults and thread start-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(_time_steps(fn, 1, _CPU) for _ in range(repeats))
 
 
 def _check(name: str, got, want) -> None:
