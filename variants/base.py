@@ -96,6 +96,12 @@ class DepthMixer(nn.Module, abc.ABC):
         forgetting factors and importance weights per layer); empty for a mixer that has nothing of the kind."""
         return {}
 
+    def step_checks(self) -> str | None:
+        """Called once per optimizer step, where training already waits for the device: a sentence when what this
+        step computed cannot be trusted (the mixer has then switched to a path that can), else None. Lets a mixer
+        keep its checks on the device inside a step instead of stopping the step to ask."""
+        return None
+
     def params_to_match(self) -> str | None:
         """A variant whose decoder's parameter count this one's should match by widening its MLPs (the model
         factory does so), or None to keep the configured width."""

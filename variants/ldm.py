@@ -35,10 +35,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from harness.registry import format_value, knob
-from variants import ldm_costs, ldm_knobs, rls
+from variants import kernels, ldm_costs, ldm_knobs, rls
 from variants.base import DepthMixer, register
 from variants.depth_read import CarriedMemory, CarriedRead, DepthRead, Fold, WriteGradient
 from variants.gradients import Gathered
+from variants.kernels.depth_read import depth_read
 from variants.layers import RMSNorm
 from variants.ops import rms_scale, unit
 from variants.tape import Recomputes, Tape, default_segment, graph_kept
@@ -385,6 +386,8 @@ class LDM(DepthMixer):
         self.chunk = default_chunk(n_layers + (cfg.read == "memory"), self.dk)
         # Dual form: layers per checkpointed segment of the residual x (``tape``); None for ⌈√L⌉, 1 keeps every x.
         self.stream_segment: int | None = None
+        # Set by ``step_checks`` once the plain path's guard has tripped: the eager, guarded path from then on.
+        self.exact_guard = False
         if not self.uses_memory:
             return  # read=residual is PreLN: no memory, no parameters, nothing to compute.
 
@@ -403,6 +406,10 @@ class LDM(DepthMixer):
             for mlp in self.keys:
                 nn.init.zeros_(mlp.fc2.weight[G * self.dk :])
                 nn.init.zeros_(mlp.fc2.bias[G * self.dk :])
+        if self.rls:
+            # The plain path's precision guard, kept on the device (``_note_margin``): the smallest whitening margin
+            # since the last ``step_checks``, in units of ``rls.min_margin``; below 1 a read lost its digits.
+            self.register_buffer("margin", torch.full((), math.inf), persistent=False)
         if self.rls and cfg.lambda_ == "learned":
             # One λ per write and group; the embedding write (read=memory) gets its own like any layer,
             # a detail the spec leaves open.
@@ -414,6 +421,34 @@ class LDM(DepthMixer):
         if self.cfg.lambda_ == "learned":
             return rls.forgetting_factor(self.theta[n].to(like.dtype))
         return torch.full((self.G,), float(self.cfg.lambda_), dtype=like.dtype, device=like.device)
+
+    def _plain(self, t: torch.Tensor) -> bool:
+        """Whether the dual form runs as plain tensor operations (and the fused kernels where they run): under
+        ``torch.compile``, which cannot follow the eager path's hand-written nodes and the Python objects they
+        share, on a GPU, for which those nodes were not written (they trade passes over memory for CPU calls),
+        and wherever the kernels take over its reads. The plain path never asks the host anything: its
+        float32 guard is a device-side minimum (``_note_margin``) read once per step (``step_checks``)."""
+        return (torch.compiler.is_compiling() or t.device.type != "cpu" or kernels.active(t)) and not self.exact_guard
+
+    def _note_margin(self, margin: torch.Tensor, dtype: torch.dtype) -> None:
+        if self.margin.device == margin.device:  # not on the meta device, where a config is only validated
+            self.margin.copy_(torch.minimum(self.margin, margin.detach().to(self.margin.dtype) / rls.min_margin(dtype)))
+
+    def step_checks(self) -> str | None:
+        """LDM-RLS on the plain path: whether a whitening margin fell below ``rls.min_margin`` since the last call.
+        Then the eager path, whose guard hands over to the float64 recursion, runs from here on (``exact_guard``)
+        and the sentence says so; the caller decides what to do with the step that lost its digits."""
+        if not self.rls or not self.uses_memory:
+            return None
+        worst = float(self.margin)
+        self.margin.fill_(math.inf)
+        if worst >= 1.0:
+            return None
+        self.exact_guard = True
+        return (
+            f"a whitening margin of LDM-RLS fell to {worst:.2g} of its float32 floor, so its reads lost precision; "
+            "the guarded eager path, which hands over to the float64 recursion, runs from here on"
+        )
 
     def _unit(self, z: torch.Tensor) -> torch.Tensor:
         """Unit vectors per group; the recurrent reference keeps the plain ``F.normalize``."""
@@ -509,7 +544,14 @@ class LDM(DepthMixer):
                     return (step if state.M is None else state.M + step), None
                 return rls.rls_write(state.M, state.P, k, v, lam, omega)
             decay, raw, exact = None, (), None
-            if self.rls:
+            plain = self._plain(v)
+            if self.rls and plain:
+                decay = lam if state.decay is None else state.decay * lam
+                ridge = rls.ridge_diagonal(decay, omega, self.cfg.alpha)
+                with mlp_pass.keeping(k):
+                    k, v, margin = rls.whiten_plain(k, v, ridge, state.keys, state.values)
+                self._note_margin(margin, k.dtype)
+            elif self.rls:
                 decay = lam if state.decay is None else state.decay * lam  # Π_{j≤n} λ_j
                 index = mlp_pass.index(k)
                 raw_k = k if index is None else RawKey(mlp_pass, self._qk_input(state), index)
@@ -526,12 +568,12 @@ class LDM(DepthMixer):
                     exact = rls.replay([(k() if callable(k) else k, *rest) for k, *rest in raw], self.cfg.alpha)
                     return state.keys, state.values, decay, state.grads, raw, exact, state.carried
             grad = None
-            if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad) and not plain:
                 grad = WriteGradient.new()
                 k, v = Gathered.apply(grad, k, v)
             keys, values, grads, carried = state.keys + (k,), state.values + (v,), state.grads + (grad,), state.carried
-            # The compiled graph cannot follow the carried memory's buffer, so a compiled model reads every write.
-            if len(keys) == self.chunk and not torch.compiler.is_compiling():
+            # The plain path cannot follow the carried memory's buffer, so it reads every write.
+            if len(keys) == self.chunk and not plain:
                 memory = carried.memory if carried is not None else CarriedMemory(gram=self.rls)
                 token = Fold.apply(memory, carried.token if carried is not None else None, *keys, *values)
                 keys, values, grads, carried = (), (), (), Carried(memory, token)
@@ -551,7 +593,7 @@ class LDM(DepthMixer):
         if self.impl == "recurrent":
             empty = state.M is None
         else:
-            empty = not state.keys and state.exact is None and state.carried is None
+            empty = len(state.keys) == 0 and state.exact is None and state.carried is None
         if not self.uses_memory or empty:
             return x
         src = self._qk_input(state)
@@ -575,6 +617,12 @@ class LDM(DepthMixer):
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
             elif state.exact is not None:
                 m = torch.einsum("btgvk,btgk->btgv", state.exact[0], q.double()).to(dt)
+            elif self._plain(q):
+                R = q.numel() // q.shape[-1]
+                keys, values = torch.stack(state.keys, -2), torch.stack(state.values, -2)  # (b, t, g, n, k|v)
+                with keeping:
+                    m = depth_read(q.reshape(R, -1), keys.view(R, *keys.shape[-2:]), values.view(R, *values.shape[-2:]))
+                m = m.view(*q.shape[:-1], -1)
             elif state.carried is not None:
                 memory, token = state.carried
                 with keeping:

@@ -291,6 +291,31 @@ def whiten(
     return kt, vt, float(margin)
 
 
+def whiten_plain(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ridge: torch.Tensor,
+    keys: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``whiten`` as plain tensor operations, for ``torch.compile`` and the fused kernels' path: the same Gram–Schmidt
+    step with autograd's backward, and the margin as a tensor, which the caller keeps on the device rather than
+    deciding on it here. Shapes as in ``whiten``."""
+    r = ridge.unsqueeze(-1)
+    total = (k * k).sum(-1, keepdim=True) + r
+    k_rest, v_rest, sq = k, v, total
+    if len(keys):
+        K, V = torch.stack(keys, -2), torch.stack(values, -2)  # (..., g, n, k), (..., g, n, v)
+        coeffs = K @ k.unsqueeze(-1)  # l_j = k̃_jᵀ k, (..., g, n, 1)
+        k_rest = k - (coeffs * K).sum(-2)
+        v_rest = v - (coeffs * V).sum(-2)
+        sq = total - coeffs.square().sum(-2)
+    sq = torch.maximum(sq, r)  # the floor of ``_Whiten``: where it holds, δ² is d_n and its gradient goes there
+    margin = (sq / total).amin()
+    delta = sq.sqrt()
+    return k_rest / delta, v_rest / delta, margin
+
+
 def min_margin(dtype: torch.dtype) -> float:
     """The smallest ``whiten`` margin at which the dual form is still accurate in ``dtype``: 1e-2 in float32
     (measured: reads within 1e-5 of float64 above it), scaled by the precision's epsilon for other dtypes."""

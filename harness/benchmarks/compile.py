@@ -45,7 +45,7 @@ def compile_gain(
         eager = build_model(cfg, name).to(dev).train()
         torch.manual_seed(seed)
         compiled = build_model(cfg, name).to(dev).train()
-        compiled.compile()
+        compiled.compile(fullgraph=True)
         eager_step, compiled_step = _step_fn(eager, idx, targets, dtype), _step_fn(compiled, idx, targets, dtype)
         compile_s = _time_steps(compiled_step, 1, dev)
         for _ in range(warmup):

@@ -200,7 +200,7 @@ def check_compile(variant: str, cfg, *, steps: int, seed: int = 0) -> dict[str, 
         torch.manual_seed(seed)
         model = build_model(cfg, variant).train()
         if compiled:
-            model.compile()
+            model.compile(fullgraph=True)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
         gen = torch.Generator().manual_seed(seed + 1)
         run = []

@@ -57,6 +57,7 @@ from harness.training import budget
 from harness.training.budget import seq_len_of
 from harness.training.checkpoint import read_checkpoint
 from harness.training.signals import SyncedStop
+from variants import kernels
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
@@ -94,6 +95,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         else:
             no_decay.append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def on_gpu(cfg: RunConfig) -> bool:
+    """Whether the run trains on a CUDA GPU."""
+    accelerator = cfg.train.accelerator
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def compiles(cfg: RunConfig) -> bool:
+    """Whether the training forward runs under ``torch.compile``: ``train.compile``, where ``auto`` means on a GPU."""
+    return cfg.train.compile == "true" or (cfg.train.compile == "auto" and on_gpu(cfg))
 
 
 def total_steps(cfg: RunConfig) -> int:
@@ -326,8 +338,11 @@ class LitDecoder(pl.LightningModule):
         self.val_windows = val_windows  # (n_val, t + 1), all ranks hold all; each evaluates its share
         self.byte_lengths = byte_lengths  # (vocab,)
         self.tokenizer_spec = tokenizer_spec
-        if cfg.train.compile:
-            self.model.compile()  # in place, so state-dict keys keep their names
+        kernels.set_mode(cfg.train.kernels)
+        # The training forward, compiled or not. Kept outside the module tree (a plain attribute), so state-dict
+        # keys keep their names, and the eager model stays at hand for a mixer whose step checks ask for it.
+        object.__setattr__(self, "step_model", torch.compile(model, fullgraph=True) if compiles(cfg) else model)
+        self.fallbacks: list[dict] = []  # steps whose update a mixer's step check withheld
         self.elapsed_before = 0.0
         self.step_loss: float | None = None
         self.step_grad_norm: float | None = None
@@ -342,7 +357,7 @@ class LitDecoder(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         if int(batch["step"]) != self.global_step:
             raise RuntimeError(f"data step {int(batch['step'])} does not match optimizer step {self.global_step}")
-        logits = self.model(batch["x"])  # (b, t, vocab)
+        logits = self.step_model(batch["x"])  # (b, t, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
         self._loss_sum = loss.detach() if int(batch["micro"]) == 0 else self._loss_sum + loss.detach()
         self.log("train_loss", loss.detach(), prog_bar=True, batch_size=batch["x"].shape[0])
@@ -354,6 +369,15 @@ class LitDecoder(pl.LightningModule):
         mean = self._loss_sum.float() / self.trainer.accumulate_grad_batches
         loss = float(self.trainer.strategy.reduce(mean, reduce_op="mean"))
         self.step_loss, self.step_grad_norm = loss, grad_norm
+        note = self.model.mixer.step_checks()  # here, where the step has waited for the device already
+        if note is not None:
+            # The update this step computed is withheld, and the eager model, whose mixer now takes its guarded
+            # path, trains from the next step on.
+            self.fallbacks.append({"step": self.global_step + 1, "reason": note})
+            print(f"depthmem: step {self.global_step + 1}: {note}; this step's update is skipped.", flush=True)
+            for p in self.model.parameters():
+                p.grad = None
+            object.__setattr__(self, "step_model", self.model)
         self.step_lr = optimizer.param_groups[0]["lr"]
         step = self.global_step + 1
         if step % self.cfg.train.val_every_steps == 0 or step == self.total:
@@ -363,6 +387,11 @@ class LitDecoder(pl.LightningModule):
             for p in self.model.parameters():
                 p.grad = None  # skip this update: the weights stay those of the last good step
             self.trainer.should_stop = True
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        # Only the tokens go to the device: the step counters are read on the host every pass, and a counter on
+        # the GPU would make each read wait for the device.
+        return {**batch, "x": batch["x"].to(device), "y": batch["y"].to(device)}
 
     def configure_optimizers(self):
         t = self.cfg.train
@@ -984,6 +1013,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         "extra_flops_per_token": _plus(_safe_cost(mixer.extra_flops_per_token), widened_flops),
         "tokens_per_s": files.segment_tokens_per_s,
         **costs.summary(module),
+        "skipped_updates": module.fallbacks,
         "wall_s": wall,
     }
     if files.depth_stats:

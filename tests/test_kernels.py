@@ -1,0 +1,116 @@
+"""The fused depth kernels (variants/kernels/) against float64 references, in Triton's interpreter without a GPU.
+
+Each kernel's forward and gradients are held to the plain PyTorch beside it run in float64, at odd sizes that
+leave every tile partly masked, and the models that use them give the same logits and gradients with the kernels
+on and off. Triton is a test dependency; where it is missing the module is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fused kernels need Triton (pip install triton)")
+
+from harness.config import build_config  # noqa: E402
+from harness.model.factory import build_model  # noqa: E402
+from variants import kernels  # noqa: E402
+from variants.kernels.depth_read import depth_read  # noqa: E402
+from variants.kernels.depth_read import naive as depth_naive  # noqa: E402
+from variants.kernels.softmax_read import naive as softmax_naive  # noqa: E402
+from variants.kernels.softmax_read import softmax_read  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or kernels.interpreting()), reason="no GPU and TRITON_INTERPRET is not set"
+)
+TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+
+
+def _float64_grads(fn, inputs, g):
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    out = fn(*inputs64)
+    return out, torch.autograd.grad(out, inputs64, g.double())
+
+
+def _close(got, want, dtype):
+    scale = want.abs().max().clamp_min(1.0)
+    assert float((got.double() - want).abs().max() / scale) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,writes,key,value", [(1, 1, 1, 1), (37, 5, 7, 11), (70, 13, 48, 48), (5, 3, 17, 33)])
+def test_depth_read_equals_float64(rng_seed, dtype, rows, writes, key, value):
+    q = torch.randn(rows, key, dtype=dtype, requires_grad=True)
+    keys = torch.randn(rows, writes, key, dtype=dtype, requires_grad=True)
+    values = torch.randn(rows, writes, value, dtype=dtype, requires_grad=True)
+    with kernels.mode("on"):
+        m = depth_read(q, keys, values)
+    g = torch.randn_like(m)
+    grads = torch.autograd.grad(m, (q, keys, values), g)
+    want, want_grads = _float64_grads(depth_naive.depth_read, (q, keys, values), g)
+    _close(m, want, dtype)
+    for got, ref in zip(grads, want_grads):
+        _close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,sources,width", [(1, 1, 1), (13, 6, 20), (9, 25, 64), (17, 2, 100)])
+def test_softmax_read_equals_float64(rng_seed, dtype, rows, sources, width):
+    # Values of very different scales, so the key norm and the online softmax's rescaling both matter.
+    values = torch.randn(rows, sources, width, dtype=dtype) * torch.rand(rows, sources, 1, dtype=dtype) * 5
+    values.requires_grad_()
+    query = torch.randn(width, dtype=dtype, requires_grad=True)
+    with kernels.mode("on"):
+        a = softmax_read(values, query, 1e-6)
+    g = torch.randn_like(a)
+    grads = torch.autograd.grad(a, (values, query), g)
+    want, want_grads = _float64_grads(lambda v, w: softmax_naive.softmax_read(v, w, 1e-6), (values, query), g)
+    _close(a, want, dtype)
+    for got, ref in zip(grads, want_grads):
+        _close(got, ref, dtype)
+
+
+def test_off_and_cpu_without_interpreter_run_the_reference(monkeypatch):
+    q, keys, values = torch.randn(3, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 5)
+    with kernels.mode("off"):
+        assert not kernels.active(q)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not kernels.active(q)  # auto and on alike: CPU tensors need the interpreter
+    with kernels.mode("on"):
+        assert not kernels.active(q)
+        assert torch.equal(depth_read(q, keys, values), depth_naive.depth_read(q, keys, values))
+    with pytest.raises(ValueError, match="auto, on, off"):
+        kernels.set_mode("fast")
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "ldm",
+        "ldm(read=memory)",
+        "ldm-rls",
+        "ldm-rls(lambda=0.7,omega=off,alpha=2.0)",
+        "ldm-rls(qk_source=read,residual_write=off)",
+        "attnres",
+        "attnres-block(block_size=2)",
+    ],
+)
+def test_models_agree_with_kernels_on_and_off(rng_seed, variant):
+    cfg = build_config({"model": {"preset": "tiny", "n_blocks": 2}, "variant": variant})
+    model = build_model(cfg.model, variant).double()
+    with torch.no_grad():
+        for p in model.mixer.parameters():  # off their initial values, so every query and weight matters
+            p.add_(0.1 * torch.randn_like(p))
+    idx = torch.randint(cfg.model.vocab_size, (2, 9))
+    results = {}
+    for mode in ("off", "on"):
+        model.zero_grad()
+        with kernels.mode(mode):
+            logits = model(idx)
+        logits.square().mean().backward()
+        results[mode] = (logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    (off, off_grads), (on, on_grads) = results["off"], results["on"]
+    assert float((on - off).abs().max()) < 1e-12
+    assert len(on_grads) == len(off_grads)
+    for a, b in zip(on_grads, off_grads):
+        assert float((a - b).abs().max()) < 1e-12

@@ -1,0 +1,72 @@
+"""Fused GPU kernels for the depth mixers' hot loops, each beside the plain PyTorch it computes.
+
+One folder per operation, as ``naive.py`` (the math in plain PyTorch: the reference the kernel is tested against
+and the fallback wherever the kernel does not run) and ``fused.py`` (the Triton kernels and their autograd), with
+the choice between them in the folder's ``__init__``:
+
+- ``depth_read``: LDM's read ``Σ_i v_i (k_iᵀ q)`` over the writes so far, one pass over each key and value, and a
+  backward that recomputes the scores instead of saving them.
+- ``softmax_read``: AttnRes's read ``Σ_s softmax_s(ρ_s w·v_s) v_s`` with the key norm ``ρ_s`` taken inside the
+  pass (an online softmax), and a backward that recomputes the weights from the saved log-sum-exp.
+
+``mode`` decides where the kernels run: ``auto`` (the default) on CUDA tensors when Triton is installed, ``on``
+wherever Triton can run them (with ``TRITON_INTERPRET=1`` also on CPU tensors, which is how the tests run them
+without a card), ``off`` never. ``train.kernels`` sets it for a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+
+import torch
+
+MODES = ("auto", "on", "off")
+_mode = "auto"
+
+
+TRITON = importlib.util.find_spec("triton") is not None
+"""Whether Triton is installed (looked up once: a compiled graph must not call into the import system)."""
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in its interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def set_mode(mode: str) -> None:
+    """Choose where the kernels run: one of ``MODES``."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"kernels must be one of {', '.join(MODES)}, got {mode!r}")
+    _mode = mode
+
+
+def get_mode() -> str:
+    return _mode
+
+
+@contextlib.contextmanager
+def mode(name: str):
+    """``set_mode`` for the duration of a ``with`` block."""
+    before = _mode
+    set_mode(name)
+    try:
+        yield
+    finally:
+        set_mode(before)
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the fused kernels run on ``device`` in the current mode."""
+    if _mode == "off" or not TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    return _mode == "on" and device.type == "cpu" and interpreting()
+
+
+def active(t: torch.Tensor) -> bool:
+    """Whether the fused kernels take tensors like ``t``: float32 or float64 on a device they run on."""
+    return t.dtype in (torch.float32, torch.float64) and runs_on(t.device)

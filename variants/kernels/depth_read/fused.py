@@ -1,0 +1,106 @@
+"""LDM's depth read as Triton kernels: a tile of rows per program streams each write's key and value once.
+
+Forward ``m = Σ_i v_i (k_iᵀ q)``; backward, from ``∂m``, ``∂q = Σ_i (v_iᵀ ∂m) k_i``, ``∂k_i = (v_iᵀ ∂m) q`` and
+``∂v_i = (k_iᵀ q) ∂m`` in one more pass that recomputes the scores: nothing beyond the inputs is saved, where
+autograd on ``naive.py`` would keep an (R, n) table of scores per read, O(L²) over the depth.
+
+Rows are independent, so the programs need no communication; the accumulation is in the inputs' precision
+(the mixer gives float32, the tests float64 too).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_ROWS = 32
+
+
+@triton.jit
+def _forward(Q, K, V, M, R, n, KD, VD, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
+    rmask = rows < R
+    qmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
+    q = tl.load(Q + rows[:, None] * KD + ok[None, :], mask=qmask, other=0.0)
+    acc = tl.zeros([BLOCK_R, BLOCK_V], dtype=q.dtype)
+    for i in range(n):
+        k = tl.load(K + (rows[:, None] * n + i) * KD + ok[None, :], mask=qmask, other=0.0)
+        v = tl.load(V + (rows[:, None] * n + i) * VD + ov[None, :], mask=vmask, other=0.0)
+        acc += tl.sum(k * q, 1)[:, None] * v
+    tl.store(M + rows[:, None] * VD + ov[None, :], acc, mask=vmask)
+
+
+@triton.jit
+def _backward(
+    Q, K, V, DM, DQ, DK, DV, R, n, KD, VD, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
+    rmask = rows < R
+    qmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
+    q = tl.load(Q + rows[:, None] * KD + ok[None, :], mask=qmask, other=0.0)
+    dm = tl.load(DM + rows[:, None] * VD + ov[None, :], mask=vmask, other=0.0)
+    dq = tl.zeros([BLOCK_R, BLOCK_K], dtype=q.dtype)
+    for i in range(n):
+        at_k = (rows[:, None] * n + i) * KD + ok[None, :]
+        at_v = (rows[:, None] * n + i) * VD + ov[None, :]
+        k = tl.load(K + at_k, mask=qmask, other=0.0)
+        v = tl.load(V + at_v, mask=vmask, other=0.0)
+        z = tl.sum(k * q, 1)[:, None]  # the score k_iᵀ q, recomputed
+        dz = tl.sum(v * dm, 1)[:, None]
+        dq += dz * k
+        tl.store(DK + at_k, dz * q, mask=qmask)
+        tl.store(DV + at_v, z * dm, mask=vmask)
+    tl.store(DQ + rows[:, None] * KD + ok[None, :], dq, mask=qmask)
+
+
+def _meta(q, keys, values) -> dict:
+    R, n, KD = keys.shape
+    VD = values.shape[-1]
+    return dict(
+        grid=(triton.cdiv(R, BLOCK_ROWS),),
+        sizes=(R, n, KD, VD),
+        blocks=dict(BLOCK_R=BLOCK_ROWS, BLOCK_K=triton.next_power_of_2(KD), BLOCK_V=triton.next_power_of_2(VD)),
+    )
+
+
+@torch.library.custom_op("depthmem::depth_read", mutates_args=())
+def depth_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``naive.depth_read`` by the forward kernel; contiguous inputs of one dtype."""
+    meta = _meta(q, keys, values)
+    m = values.new_empty(keys.shape[0], values.shape[-1])
+    _forward[meta["grid"]](q, keys, values, m, *meta["sizes"], **meta["blocks"])
+    return m
+
+
+@depth_read.register_fake
+def _(q, keys, values):
+    return values.new_empty(keys.shape[0], values.shape[-1])
+
+
+@torch.library.custom_op("depthmem::depth_read_backward", mutates_args=())
+def depth_read_backward(
+    dm: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    meta = _meta(q, keys, values)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
+    _backward[meta["grid"]](q, keys, values, dm.contiguous(), dq, dk, dv, *meta["sizes"], **meta["blocks"])
+    return dq, dk, dv
+
+
+@depth_read_backward.register_fake
+def _(dm, q, keys, values):
+    return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grad(ctx, dm):
+    return depth_read_backward(dm, *ctx.saved_tensors)
+
+
+depth_read.register_autograd(_grad, setup_context=_setup)

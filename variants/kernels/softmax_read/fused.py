@@ -1,0 +1,118 @@
+"""AttnRes's depth read as Triton kernels: a tile of rows per program streams each source once.
+
+Forward: per source ``ρ_s = (mean(v_s²) + ε)^{-1/2}`` and the logit ``z_s = ρ_s w·v_s`` in the same pass as the
+weighted sum, by an online softmax (the running maximum rescales what was summed so far); it saves only the
+log-sum-exp per row. Backward recomputes ``p_s = exp(z_s − lse)`` in one pass and, with ``δ = aᵀ∂a``,
+``∂z_s = p_s (v_sᵀ∂a − δ)``:
+
+    ∂v_s = p_s ∂a + ∂z_s (ρ_s w − (w·v_s) ρ_s³ v_s / d),   ∂w = Σ_rows Σ_s ∂z_s ρ_s v_s
+
+the last summed per program into a (programs, d) buffer and over programs outside the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_ROWS = 8
+
+
+@triton.jit
+def _forward(V, W, A, LSE, R, S, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    od = tl.arange(0, BLOCK_D)
+    rmask = rows < R
+    mask = rmask[:, None] & (od < D)[None, :]
+    w = tl.load(W + od, mask=od < D, other=0.0)
+    big = tl.zeros([BLOCK_R], dtype=w.dtype) - float("inf")
+    total = tl.zeros([BLOCK_R], dtype=w.dtype)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=w.dtype)
+    for s in range(S):
+        v = tl.load(V + (rows[:, None] * S + s) * D + od[None, :], mask=mask, other=0.0)
+        rho = 1.0 / tl.sqrt(tl.sum(v * v, 1) / D + eps)
+        z = rho * tl.sum(v * w[None, :], 1)
+        new = tl.maximum(big, z)
+        scale, p = tl.exp(big - new), tl.exp(z - new)
+        total = total * scale + p
+        acc = acc * scale[:, None] + p[:, None] * v
+        big = new
+    tl.store(A + rows[:, None] * D + od[None, :], acc / total[:, None], mask=mask)
+    tl.store(LSE + rows, big + tl.log(total), mask=rmask)
+
+
+@triton.jit
+def _backward(V, W, A, LSE, DA, DV, DW, R, S, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    od = tl.arange(0, BLOCK_D)
+    rmask = rows < R
+    mask = rmask[:, None] & (od < D)[None, :]
+    w = tl.load(W + od, mask=od < D, other=0.0)
+    a = tl.load(A + rows[:, None] * D + od[None, :], mask=mask, other=0.0)
+    da = tl.load(DA + rows[:, None] * D + od[None, :], mask=mask, other=0.0)
+    lse = tl.load(LSE + rows, mask=rmask, other=0.0)
+    delta = tl.sum(a * da, 1)
+    dw = tl.zeros([BLOCK_D], dtype=w.dtype)
+    for s in range(S):
+        at = (rows[:, None] * S + s) * D + od[None, :]
+        v = tl.load(V + at, mask=mask, other=0.0)
+        rho = 1.0 / tl.sqrt(tl.sum(v * v, 1) / D + eps)
+        wv = tl.sum(v * w[None, :], 1)
+        p = tl.where(rmask, tl.exp(rho * wv - lse), 0.0)
+        dz = p * (tl.sum(v * da, 1) - delta)
+        dlogit_dv = rho[:, None] * w[None, :] - (wv * rho * rho * rho / D)[:, None] * v
+        tl.store(DV + at, p[:, None] * da + dz[:, None] * dlogit_dv, mask=mask)
+        dw += tl.sum((dz * rho)[:, None] * v, 0)
+    tl.store(DW + pid * D + od, dw, mask=od < D)
+
+
+def _launch(R: int, D: int) -> tuple[tuple[int], dict]:
+    return (triton.cdiv(R, BLOCK_ROWS),), dict(BLOCK_R=BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(D))
+
+
+@torch.library.custom_op("depthmem::softmax_read", mutates_args=())
+def softmax_read(values: torch.Tensor, query: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``naive.softmax_read`` by the forward kernel, and the log-sum-exp of each row's logits."""
+    R, S, D = values.shape
+    grid, blocks = _launch(R, D)
+    a, lse = values.new_empty(R, D), values.new_empty(R)
+    _forward[grid](values, query, a, lse, R, S, D, eps, **blocks)
+    return a, lse
+
+
+@softmax_read.register_fake
+def _(values, query, eps):
+    R, _, D = values.shape
+    return values.new_empty(R, D), values.new_empty(R)
+
+
+@torch.library.custom_op("depthmem::softmax_read_backward", mutates_args=())
+def softmax_read_backward(
+    da: torch.Tensor, values: torch.Tensor, query: torch.Tensor, a: torch.Tensor, lse: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    R, S, D = values.shape
+    grid, blocks = _launch(R, D)
+    dv, dw = torch.empty_like(values), values.new_empty(grid[0], D)
+    _backward[grid](values, query, a, lse, da.contiguous(), dv, dw, R, S, D, eps, **blocks)
+    return dv, dw.sum(0)
+
+
+@softmax_read_backward.register_fake
+def _(da, values, query, a, lse, eps):
+    return torch.empty_like(values), query.new_empty(query.shape)
+
+
+def _setup(ctx, inputs, output):
+    values, query, ctx.eps = inputs
+    ctx.save_for_backward(values, query, *output)
+
+
+def _grad(ctx, da, _):
+    values, query, a, lse = ctx.saved_tensors
+    dv, dw = softmax_read_backward(da, values, query, a, lse, ctx.eps)
+    return dv, dw, None
+
+
+softmax_read.register_autograd(_grad, setup_context=_setup)
