@@ -19,6 +19,8 @@ from variants.kernels.depth_read import depth_read  # noqa: E402
 from variants.kernels.depth_read import naive as depth_naive  # noqa: E402
 from variants.kernels.softmax_read import naive as softmax_naive  # noqa: E402
 from variants.kernels.softmax_read import softmax_read  # noqa: E402
+from variants.kernels.whiten import naive as whiten_naive  # noqa: E402
+from variants.kernels.whiten import whiten  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or kernels.interpreting()), reason="no GPU and TRITON_INTERPRET is not set"
@@ -68,6 +70,33 @@ def test_softmax_read_equals_float64(rng_seed, dtype, rows, sources, width):
     _close(a, want, dtype)
     for got, ref in zip(grads, want_grads):
         _close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,writes,key,value", [(1, 0, 1, 1), (37, 5, 7, 11), (40, 9, 4, 48), (6, 2, 17, 3)])
+def test_whiten_equals_float64_floor_included(rng_seed, dtype, rows, writes, key, value):
+    k = torch.nn.functional.normalize(torch.randn(rows, key, dtype=dtype), dim=-1).requires_grad_()
+    v = torch.randn(rows, value, dtype=dtype, requires_grad=True)
+    ridge = (torch.rand(rows, dtype=dtype) + 0.05).requires_grad_()
+    # Earlier writes of unit scale on odd rows: their projections exceed |k|² + d, so the floor holds there; small
+    # ones on even rows, where it does not.
+    scale = torch.where(torch.arange(rows) % 2 == 1, 1.5, 0.2).to(dtype)[:, None, None]
+    keys = (torch.randn(rows, writes, key, dtype=dtype) * scale).requires_grad_()
+    values = torch.randn(rows, writes, value, dtype=dtype, requires_grad=True)
+    inputs = (k, v, ridge, keys, values)
+    with kernels.mode("on"):
+        kt, vt, margin = whiten(*inputs)
+    gk, gv = torch.randn_like(kt), torch.randn_like(vt)
+    grads = torch.autograd.grad((kt, vt), inputs, (gk, gv))
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    kt64, vt64, margin64 = whiten_naive.whiten(*inputs64)
+    grads64 = torch.autograd.grad((kt64, vt64), inputs64, (gk.double(), gv.double()))
+    if writes and rows > 1:  # both sides of the floor are exercised
+        total = 1 + ridge.detach().double()
+        floored = margin64.detach() <= ridge.detach().double() / total * (1 + 1e-12)
+        assert floored.any() and not floored.all()
+    for got, want in zip((kt, vt, margin, *grads), (kt64, vt64, margin64, *grads64)):
+        _close(got, want.detach(), dtype)
 
 
 def test_off_and_cpu_without_interpreter_run_the_reference(monkeypatch):

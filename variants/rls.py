@@ -32,6 +32,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from variants.kernels.whiten import whiten as kernel_whiten
 from variants.ops import _bdot
 
 LAMBDA_MIN = 0.5
@@ -298,22 +299,17 @@ def whiten_plain(
     keys: tuple[torch.Tensor, ...],
     values: tuple[torch.Tensor, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``whiten`` as plain tensor operations, for ``torch.compile`` and the fused kernels' path: the same Gram–Schmidt
-    step with autograd's backward, and the margin as a tensor, which the caller keeps on the device rather than
-    deciding on it here. Shapes as in ``whiten``."""
-    r = ridge.unsqueeze(-1)
-    total = (k * k).sum(-1, keepdim=True) + r
-    k_rest, v_rest, sq = k, v, total
+    """``whiten`` for ``torch.compile`` and the GPU: the same Gram–Schmidt step as the fused kernel of
+    ``variants/kernels/whiten/`` where it runs and as plain tensor operations elsewhere, and the margin as a tensor,
+    which the caller keeps on the device rather than deciding on it here. Shapes as in ``whiten``."""
+    lead, R = k.shape[:-1], k.numel() // k.shape[-1]
     if len(keys):
-        K, V = torch.stack(keys, -2), torch.stack(values, -2)  # (..., g, n, k), (..., g, n, v)
-        coeffs = K @ k.unsqueeze(-1)  # l_j = k̃_jᵀ k, (..., g, n, 1)
-        k_rest = k - (coeffs * K).sum(-2)
-        v_rest = v - (coeffs * V).sum(-2)
-        sq = total - coeffs.square().sum(-2)
-    sq = torch.maximum(sq, r)  # the floor of ``_Whiten``: where it holds, δ² is d_n and its gradient goes there
-    margin = (sq / total).amin()
-    delta = sq.sqrt()
-    return k_rest / delta, v_rest / delta, margin
+        K, V = torch.stack(keys, -2).view(R, len(keys), -1), torch.stack(values, -2).view(R, len(keys), -1)
+    else:
+        K, V = k.new_empty(R, 0, k.shape[-1]), v.new_empty(R, 0, v.shape[-1])
+    ridge = torch.broadcast_to(ridge, lead).reshape(R)
+    kt, vt, margin = kernel_whiten(k.reshape(R, -1), v.reshape(R, -1), ridge, K, V)
+    return kt.view(k.shape), vt.view(v.shape), margin.amin()
 
 
 def min_margin(dtype: torch.dtype) -> float:

@@ -1,0 +1,165 @@
+"""LDM-RLS's write as Triton kernels: a tile of rows per program streams each earlier whitened write once.
+
+Forward, per row: the coefficients ``l_j = k̃_jᵀ k`` and the projections out of ``k``, ``v`` and ``|k|² + d`` in one
+pass over the earlier writes, then the floor and the division by ``δ`` (``naive.py``). It keeps ``δ`` and whether
+the floor held, one number each per row, for backward, which recomputes the coefficients in one more pass:
+
+    ∂k_r = ∂k̃ / δ,  ∂v_r = ∂ṽ / δ,  ∂δ² = −(∂k̃·k̃ + ∂ṽ·ṽ) / 2δ²   (0 for k and l where the floor held; ∂d = ∂δ²)
+    ∂l_j = −(∂k_r·k̃_j + ∂v_r·ṽ_j) − 2 l_j ∂δ²
+    ∂k = ∂k_r + 2 ∂δ² k + Σ_j ∂l_j k̃_j,   ∂k̃_j = ∂l_j k − l_j ∂k_r,   ∂ṽ_j = −l_j ∂v_r
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_ROWS = 32
+
+
+@triton.jit
+def _forward(
+    K0, V0, RIDGE, KS, VS, KT, VT, DELTA, FLOORED, MARGIN, R, n, KD, VD,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
+    rmask = rows < R
+    kmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
+    k = tl.load(K0 + rows[:, None] * KD + ok[None, :], mask=kmask, other=0.0)
+    v = tl.load(V0 + rows[:, None] * VD + ov[None, :], mask=vmask, other=0.0)
+    r = tl.load(RIDGE + rows, mask=rmask, other=1.0)
+    total = tl.sum(k * k, 1) + r
+    k_rest, v_rest, sq = k, v, total
+    for j in range(n):
+        kj = tl.load(KS + (rows[:, None] * n + j) * KD + ok[None, :], mask=kmask, other=0.0)
+        vj = tl.load(VS + (rows[:, None] * n + j) * VD + ov[None, :], mask=vmask, other=0.0)
+        c = tl.sum(kj * k, 1)
+        k_rest -= c[:, None] * kj
+        v_rest -= c[:, None] * vj
+        sq -= c * c
+    floored = sq < r
+    sq = tl.maximum(sq, r)
+    delta = tl.sqrt(sq)
+    tl.store(KT + rows[:, None] * KD + ok[None, :], k_rest / delta[:, None], mask=kmask)
+    tl.store(VT + rows[:, None] * VD + ov[None, :], v_rest / delta[:, None], mask=vmask)
+    tl.store(DELTA + rows, delta, mask=rmask)
+    tl.store(FLOORED + rows, floored.to(tl.int8), mask=rmask)
+    tl.store(MARGIN + rows, sq / total, mask=rmask)
+
+
+@triton.jit
+def _backward(
+    K0, KS, VS, KT, VT, DELTA, FLOORED, DKT, DVT, DK0, DV0, DRIDGE, DKS, DVS, R, n, KD, VD,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
+    rmask = rows < R
+    kmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
+    at_k, at_v = rows[:, None] * KD + ok[None, :], rows[:, None] * VD + ov[None, :]
+    k = tl.load(K0 + at_k, mask=kmask, other=0.0)
+    kt = tl.load(KT + at_k, mask=kmask, other=0.0)
+    vt = tl.load(VT + at_v, mask=vmask, other=0.0)
+    dkt = tl.load(DKT + at_k, mask=kmask, other=0.0)
+    dvt = tl.load(DVT + at_v, mask=vmask, other=0.0)
+    delta = tl.load(DELTA + rows, mask=rmask, other=1.0)
+    floored = tl.load(FLOORED + rows, mask=rmask, other=0) != 0
+    dkr, dvr = dkt / delta[:, None], dvt / delta[:, None]
+    dsq = -0.5 * (tl.sum(dkt * kt, 1) + tl.sum(dvt * vt, 1)) / (delta * delta)
+    tl.store(DRIDGE + rows, dsq, mask=rmask)  # d enters δ² with weight 1, or is δ² where the floor held
+    dsq = tl.where(floored, 0.0, dsq)
+    dk = dkr + 2.0 * dsq[:, None] * k
+    for j in range(n):
+        jk = (rows[:, None] * n + j) * KD + ok[None, :]
+        jv = (rows[:, None] * n + j) * VD + ov[None, :]
+        kj = tl.load(KS + jk, mask=kmask, other=0.0)
+        vj = tl.load(VS + jv, mask=vmask, other=0.0)
+        c = tl.sum(kj * k, 1)
+        dc = -(tl.sum(dkr * kj, 1) + tl.sum(dvr * vj, 1)) - 2.0 * c * dsq
+        dk += dc[:, None] * kj
+        tl.store(DKS + jk, dc[:, None] * k - c[:, None] * dkr, mask=kmask)
+        tl.store(DVS + jv, -c[:, None] * dvr, mask=vmask)
+    tl.store(DK0 + at_k, dk, mask=kmask)
+    tl.store(DV0 + at_v, dvr, mask=vmask)
+
+
+def _launch(keys: torch.Tensor, values: torch.Tensor) -> tuple[tuple[int], tuple[int, ...], dict]:
+    R, n, KD = keys.shape
+    VD = values.shape[-1]
+    blocks = dict(BLOCK_R=BLOCK_ROWS, BLOCK_K=triton.next_power_of_2(KD), BLOCK_V=triton.next_power_of_2(VD))
+    return (triton.cdiv(R, BLOCK_ROWS),), (R, n, KD, VD), blocks
+
+
+@torch.library.custom_op("depthmem::whiten", mutates_args=())
+def whiten(
+    k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``naive.whiten`` by the forward kernel, with ``δ`` and the floor's mask for backward."""
+    grid, sizes, blocks = _launch(keys, values)
+    kt, vt = torch.empty_like(k), torch.empty_like(v)
+    delta, margin = ridge.new_empty(k.shape[0]), ridge.new_empty(k.shape[0])
+    floored = torch.empty(k.shape[0], dtype=torch.int8, device=k.device)
+    _forward[grid](k, v, ridge, keys, values, kt, vt, delta, floored, margin, *sizes, **blocks)
+    return kt, vt, margin, delta, floored
+
+
+@whiten.register_fake
+def _(k, v, ridge, keys, values):
+    rows = k.shape[0]
+    return (
+        torch.empty_like(k),
+        torch.empty_like(v),
+        ridge.new_empty(rows),
+        ridge.new_empty(rows),
+        torch.empty(rows, dtype=torch.int8, device=k.device),
+    )
+
+
+@torch.library.custom_op("depthmem::whiten_backward", mutates_args=())
+def whiten_backward(
+    dkt: torch.Tensor,
+    dvt: torch.Tensor,
+    k: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kt: torch.Tensor,
+    vt: torch.Tensor,
+    delta: torch.Tensor,
+    floored: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grid, sizes, blocks = _launch(keys, values)
+    dk, dv, dridge = torch.empty_like(k), torch.empty_like(vt), torch.empty_like(delta)
+    dkeys, dvalues = torch.empty_like(keys), torch.empty_like(values)
+    dkt, dvt = dkt.contiguous(), dvt.contiguous()
+    _backward[grid](k, keys, values, kt, vt, delta, floored, dkt, dvt, dk, dv, dridge, dkeys, dvalues, *sizes, **blocks)
+    return dk, dv, dridge, dkeys, dvalues
+
+
+@whiten_backward.register_fake
+def _(dkt, dvt, k, keys, values, kt, vt, delta, floored):
+    return (
+        torch.empty_like(k),
+        torch.empty_like(vt),
+        torch.empty_like(delta),
+        torch.empty_like(keys),
+        torch.empty_like(values),
+    )
+
+
+def _setup(ctx, inputs, output):
+    k, _, _, keys, values = inputs
+    kt, vt, _, delta, floored = output
+    ctx.save_for_backward(k, keys, values, kt, vt, delta, floored)
+    ctx.mark_non_differentiable(output[2], delta, floored)
+
+
+def _grad(ctx, dkt, dvt, *_):
+    k, keys, values, kt, vt, delta, floored = ctx.saved_tensors
+    dkt = torch.zeros_like(kt) if dkt is None else dkt
+    dvt = torch.zeros_like(vt) if dvt is None else dvt
+    return whiten_backward(dkt, dvt, k, keys, values, kt, vt, delta, floored)
+
+
+whiten.register_autograd(_grad, setup_context=_setup)
