@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 import torch
 
 from harness.data.tokenizer import EOT
 from harness.errors import UsageError
-from harness.io import writable_dir
+from harness.io import honour_umask, writable_dir
 from harness.training.checkpoint import load_model
 
 
@@ -81,6 +82,7 @@ def export_hf(run: str | os.PathLike, out: str | os.PathLike) -> Path:
 
     model, tok, cfg = load_model(run)
     out = writable_dir(out, "export folder")
+    started = time.time_ns()
     eot = tok.eot_id
     if cfg.variant == "preln":
         hf_cfg = llama_config(cfg.model)
@@ -106,4 +108,6 @@ def export_hf(run: str | os.PathLike, out: str | os.PathLike) -> Path:
         hf.decoder.load_state_dict(model.state_dict())
     hf.eval().save_pretrained(str(out))
     _save_tokenizer(tok, out, cfg.model.max_seq_len)
+    # Only what this export wrote: files already in the folder keep the mode their owner gave them.
+    honour_umask(p for p in out.rglob("*") if p.is_file() and p.stat().st_mtime_ns >= started - 2_000_000_000)
     return out
