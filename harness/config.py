@@ -252,6 +252,10 @@ class SlurmConfig:
             raise ValueError(f"slurm.gpus_per_node must be zero or more, got {self.gpus_per_node}")
         if not 0 < self.mem_gb < math.inf:
             raise ValueError(f"slurm.mem_gb must be a positive number, got {self.mem_gb}")
+        from harness.sbatch import check_values
+
+        for name in ("partition", "account", "qos", "setup"):
+            check_values(getattr(self, name), f"slurm.{name}")
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ import csv
 import io
 import json
 import os
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -165,8 +166,12 @@ def evaluate(
     path = Path(run_dir_or_ckpt)
     if not path.exists():
         raise UsageError(f"{str(path)!r} does not exist: give a run directory or a .ckpt file.")
+    from harness.training.checkpoint import check_not_sweep
+
+    check_not_sweep(path)
     names = parse_tasks(tasks)
     check_options(limit=limit, batch_size=batch_size, bootstrap_iters=bootstrap_iters)
+    check_device(device)
     out = Path(out_dir) if out_dir else run_directory(path) / "eval"
     writable_dir(out, "evaluation output folder")  # before the evaluation, not after it
     remove_stale_temps(out)
@@ -201,6 +206,31 @@ def check_options(*, limit: int | float | None, batch_size: int, bootstrap_iters
             f"The bootstrap iterations must be zero (no bootstrap stderrs) or a positive integer, "
             f"got {bootstrap_iters}."
         )
+
+
+_DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a device string torch does not know, and a GPU this machine does not have, before anything loads."""
+    if device is None:
+        return
+    text = str(device).strip()
+    if not _DEVICE.match(text):
+        raise UsageError(f"Unknown device {text!r}; allowed: cpu, cuda, cuda:N (N a GPU index) or mps.")
+    import torch
+
+    if text.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"--device {text} asks for a GPU and this machine has none; use --device cpu.")
+        index = int(text.partition(":")[2] or 0)
+        if index >= count:
+            raise UsageError(
+                f"--device {text} asks for GPU {index} and this machine has {count} (cuda:0 to cuda:{count - 1})."
+            )
+    elif text == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--device mps asks for Apple's GPU and this machine has none; use --device cpu.")
 
 
 def run_directory(path: Path) -> Path:

@@ -201,7 +201,6 @@ def _own_process_groups():
 def _executor(kind: str, folder: Path, prof: Profile, parallelism: int, name: str):
     import submitit
 
-    ex = submitit.AutoExecutor(folder=str(folder), cluster=kind, slurm_max_num_timeout=prof.max_requeues)
     params: dict[str, Any] = dict(
         name=f"depthmem-{name}", timeout_min=prof.time_min, cpus_per_task=prof.cpus_per_task, mem_gb=float(prof.mem_gb)
     )
@@ -228,6 +227,14 @@ def _executor(kind: str, folder: Path, prof: Profile, parallelism: int, name: st
         # One local process per run: Lightning itself starts the DDP workers that train.devices asks for. The
         # profile's setup lines are for cluster nodes (modules, SLURM variables), so they are not run here.
         params.update(nodes=1, tasks_per_node=1)
+    if kind == "slurm":
+        from harness.sbatch import check_values
+
+        try:
+            check_values({"folder": str(folder), **params}, "the job setting")
+        except ValueError as e:
+            raise UsageError(f"{str(e)[0].upper()}{str(e)[1:]}.") from None
+    ex = submitit.AutoExecutor(folder=str(folder), cluster=kind, slurm_max_num_timeout=prof.max_requeues)
     ex.update_parameters(**params)
     return ex
 
