@@ -222,7 +222,9 @@ def test_paper_dry_run_warns_about_the_missing_corpus_and_submission_refuses(cap
     steps = math.ceil(math.ceil(20.0 * n) / (256 * 1024))
     assert f"budget: every run trains {steps:,} steps on {steps * 256 * 1024:,} tokens" in out
     n_runs = int(out.split(" run(s)")[0].split()[-1])
-    assert out.count(f" {steps} {steps * 256 * 1024} ") == n_runs > 70  # on every run's line
+    # on every run's line, after its action: the steps, then the tokens in millions
+    shown = f"{steps * 256 * 1024 / 1e6:,.0f}M"
+    assert len(re.findall(rf" submit +{steps} +{re.escape(shown)}$", out, re.M)) == n_runs > 70
     assert main(["sweep", grid, "--results", "/nonexistent-results"]) == 2
     err = capsys.readouterr().err
     assert "does not exist yet" in err and "Traceback" not in err

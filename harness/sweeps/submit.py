@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import preflight
+from harness import preflight, units
 from harness.errors import DepthmemError, UsageError
 from harness.io import atomic_write_json, remove_stale_temps, writable_dir
 from harness.rundir import legacy_run_id, now_iso, read_status, read_sweep_record, write_config, write_status
@@ -593,15 +593,17 @@ def describe_plan(p: Plan) -> str:
         {
             "run_id": r.run_id,
             **{k: r.overrides.get(k, "") for k in p.axes},
+            "action": p.decisions.get(r.run_id),
             "steps": train_steps(r.cfg),
             "tokens": train_steps(r.cfg) * tokens_per_step(r.cfg),
-            "action": p.decisions.get(r.run_id),
         }
         for r in p.runs
     ]
+    # The columns in the order ``depthmem status`` shows them: id, grid values, what happens, then the budget.
+    shown = [{**row, "tokens": units.tokens(row["tokens"])} for row in rows]
     lines = [
         f"sweep {p.grid.name}: {len(p.runs)} run(s) in {p.sweep_dir}",
-        format_rows(rows, ["run_id", *p.axes, "steps", "tokens", "action"]),
+        format_rows(shown, ["run_id", *p.axes, "action", "steps", "tokens"]),
     ]
     budgets = sorted({(row["steps"], row["tokens"]) for row in rows})
     if len(budgets) == 1:
