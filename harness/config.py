@@ -467,8 +467,10 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
         raise UsageError(
             f"The {what} {str(path)!r} is not UTF-8 text (byte {raw[e.start]:#04x} at line {line}); save it as UTF-8."
         ) from None
+    from harness.yamltext import load
+
     try:
-        return yaml.safe_load(text)
+        return load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -130,7 +130,7 @@ def plan(
         raise UsageError(f"Unknown executor {executor!r}; allowed: {', '.join(EXECUTORS)}.")
     grid = load_grid(grid_file)
     if overrides:
-        grid.base = {**grid.base, **_dotlist(overrides, grid)}
+        apply_overrides(grid, overrides)
     prof = load_profile(profile or grid.profile)
     runs = expand(grid, defaults=prof.config_layer())
     sweep_dir = Path(root or default_root()) / grid.name
@@ -168,19 +168,60 @@ def plan(
     return p
 
 
-def _dotlist(overrides: list[str], grid: Grid) -> dict[str, Any]:
+def split_choices(text: str) -> list[str]:
+    """The parts of ``text`` between commas outside brackets and quotes: ``1e-3,3e-3`` has two, ``[a,b]`` one."""
+    parts, depth, quote, current = [], 0, "", ""
+    for c in text:
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{(":
+            depth += 1
+        elif c in "]})":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        current += c
+    return parts + [current]
+
+
+def apply_overrides(grid: Grid, overrides: list[str]) -> None:
+    """Apply command-line ``KEY=VALUE`` overrides to a grid, Hydra multirun style.
+
+    ``KEY=VALUE`` sets KEY in the base, except on a key the grid varies, whose axis it narrows to that one value;
+    ``KEY=V1,V2`` makes KEY an axis over the values (a new axis goes last; a grid's own keeps its place). A value
+    holding a list is written in brackets, ``eval.tasks=[a,b]``, and one comma-separated string in quotes.
+    """
     import yaml
 
-    varied = axis_keys(grid)
-    out = {}
+    from harness.yamltext import load
+
+    zipped = {k for g in grid.zips for k in g}
     for item in overrides:
         key, _, text = item.partition("=")
-        if key in varied:
+        key = key.strip()
+        choices = split_choices(text)
+        try:
+            values = [load(part) if part.strip() else "" for part in choices]
+        except yaml.YAMLError:
             raise UsageError(
-                f"{key} is an axis of {grid.source}; change its values in the grid file, not with {item!r}."
+                f"The value of {item!r} is not valid YAML: put brackets around a list and quotes around text "
+                "with commas or colons."
+            ) from None
+        if key in zipped:
+            raise UsageError(
+                f"{key} varies in a zip group of {grid.source}; change its values there, or drop it from the group "
+                f"to sweep it with {item!r}."
             )
-        out[key] = yaml.safe_load(text) if text else ""
-    return out
+        if len(values) > 1 or key in grid.axes:
+            if len(values) != len({repr(v) for v in values}):
+                raise UsageError(f"{item!r} names a value twice; each value of an axis gives one run.")
+            grid.axes[key] = values
+        else:
+            grid.base = {**grid.base, key: values[0]}
 
 
 @contextlib.contextmanager
