@@ -11,6 +11,7 @@ Hugging Face hub.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -109,15 +110,16 @@ def run_tasks(
     import lm_eval
 
     try:
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=names,
-            task_manager=manager,
-            limit=limit,
-            bootstrap_iters=bootstrap_iters,
-            log_samples=False,
-            cache_requests=False,
-        )
+        with harness_git_hash():
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=names,
+                task_manager=manager,
+                limit=limit,
+                bootstrap_iters=bootstrap_iters,
+                log_samples=False,
+                cache_requests=False,
+            )
     except Exception as e:
         twins = [n for n in names if f"{SUITE}_{n}" in KNOWN_NAMES]
         if twins and _is_network_error(e):
@@ -130,6 +132,27 @@ def run_tasks(
     if results is None:  # only rank 0 gets results; a single process is always rank 0
         raise UsageError("lm-eval returned no results: run the evaluation in a single process.")
     return results
+
+
+@contextlib.contextmanager
+def harness_git_hash():
+    """Record the harness's own commit as lm-eval's ``git_hash``.
+
+    lm-eval runs ``git describe`` in the working directory with its stderr on the terminal, so every evaluation
+    started outside a checkout (a cluster job's folder) printed "fatal: not a git repository"; and the commit of
+    the working directory says nothing about the code that evaluated. ``git_revision`` reads the harness's
+    checkout and stays quiet.
+    """
+    import lm_eval.evaluator
+
+    from harness.rundir import git_revision
+
+    original = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = git_revision
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = original
 
 
 def _is_network_error(e: BaseException) -> bool:
