@@ -38,7 +38,8 @@ def percent(fraction: float) -> str:
     if value == 0:
         return "0%"
     if abs(value) < 0.01:
-        return f"{value:.2g}%"
+        digits = 1 - math.floor(math.log10(abs(value)))
+        return f"{value:.{digits}f}%"
     return f"{value:.3g}%" if abs(value) < 100 else f"{value:,.0f}%"
 
 
