@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import preflight, units
+from harness import preflight, tracking, units
 from harness.errors import DepthmemError, UsageError
 from harness.io import atomic_write_json, remove_stale_temps, writable_dir
 from harness.rundir import legacy_run_id, now_iso, read_status, read_sweep_record, write_config, write_status
@@ -67,6 +67,8 @@ class Plan:
     migrations: dict[str, str] = field(default_factory=dict)
     """run_id -> the folder name the same run has under the earlier id scheme, to be renamed on submission."""
     axes: list[str] = field(default_factory=list)
+    backfill: list[str] = field(default_factory=list)
+    """Finished runs whose ``train.logger`` has not seen their metrics; the submission sends them from metrics.csv."""
 
     def to_submit(self) -> list[GridRun]:
         return [r for r in self.runs if self.decisions.get(r.run_id) in ("submit", "resume", "retry", "evaluate")]
@@ -159,6 +161,8 @@ def plan(
         elif state == "done":
             todo = pending_tasks(run_dir, list(r.cfg.eval.tasks), r.cfg.eval.limit) if r.cfg.eval.tasks else []
             p.decisions[r.run_id] = "evaluate" if todo else "done"
+            if tracking.needs_backfill(run_dir, r.cfg):
+                p.backfill.append(r.run_id)
         elif state in ("failed", "diverged"):
             p.decisions[r.run_id] = "retry" if retry_failed else "failed"
         elif (run_dir / "ckpt" / "last.ckpt").exists():
@@ -388,6 +392,7 @@ def sweep(
         _migrate(p, log)
         sub = Submission(p)
         _announce(p, log)
+        _backfill(p, log)
         todo = p.to_submit()
         for r in todo:
             run_dir = p.sweep_dir / r.run_id
@@ -416,6 +421,24 @@ def sweep(
         return sub
     finally:
         lock.release()
+
+
+def _backfill(p: Plan, log) -> None:
+    """Send finished runs' metrics to a logger switched on after they trained, from their metrics.csv."""
+    if not p.backfill:
+        return
+    logger = {r.run_id: r.cfg.train.logger for r in p.runs}
+    for r in p.runs:
+        if r.run_id in p.backfill:
+            run_dir = p.sweep_dir / r.run_id
+            tracking.backfill(run_dir, r.cfg)
+            write_config(run_dir, r.cfg)  # the run's config now names the logger that holds its curves
+    names = sorted({logger[rid] for rid in p.backfill})
+    where = {"tensorboard": "TensorBoard (each run's tensorboard/ folder)", "wandb": "W&B"}
+    log(
+        f"sent the metrics of {len(p.backfill)} finished run(s) to {' and '.join(where[n] for n in names)} "
+        "from their metrics.csv; nothing was trained again"
+    )
 
 
 def _migrate(p: Plan, log) -> None:
@@ -668,6 +691,12 @@ def describe_plan(p: Plan) -> str:
     from harness.sweeps.estimate import describe_costs
 
     lines.append(describe_costs(p.runs, pr))
+    if p.backfill:
+        loggers = sorted({r.cfg.train.logger for r in p.runs if r.run_id in p.backfill})
+        lines.append(
+            f"{len(p.backfill)} finished run(s) never sent their metrics to {' or '.join(loggers)}: "
+            "a submission sends them from each run's metrics.csv and config, training nothing again"
+        )
     if p.migrations:
         lines.append(
             f"{len(p.migrations)} run folder(s) of the earlier id scheme will be renamed on submission, "
