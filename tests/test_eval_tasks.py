@@ -218,7 +218,10 @@ def test_pretrained_is_an_alias_of_checkpoint_and_the_device_used_is_recorded(tm
     argv = lm_eval_argv(["run", "--model", "depthmem", "--model_args", f"pretrained={run}", "--device", "cuda:0"])
     assert argv[argv.index("--device") + 1] == "cpu"
     assert "--device" in lm_eval_argv(["run", "--model", "depthmem", "--tasks", "offline_copa"])
-    results = evaluate(run, "offline_copa", limit=2, batch_size=2, device="cuda", bootstrap_iters=0)
+    # depthmem's own evaluation refuses it instead, before anything loads; left to choose, it records the CPU
+    with pytest.raises(UsageError, match="asks for a GPU and this machine has none; use --device cpu"):
+        evaluate(run, "offline_copa", limit=2, batch_size=2, device="cuda", bootstrap_iters=0)
+    results = evaluate(run, "offline_copa", limit=2, batch_size=2, bootstrap_iters=0)
     assert results["config"]["device"] == "cpu"
 
 
