@@ -20,7 +20,7 @@ from typing import Any
 from harness.errors import UsageError
 from harness.io import DiskFull
 from harness.rundir import DAMAGED, axis_label, now_iso, read_status, read_summary, read_sweep_record, write_status
-from harness.sweeps.grid import load_grid
+from harness.sweeps.grid import grid_name
 
 # sacct states after which a job will not run again by itself.
 TERMINAL = (
@@ -50,7 +50,7 @@ def resolve_sweep_dir(sweep: str | Path, root: str | Path | None = None) -> Path
     root = Path(root or default_root())
     given = Path(sweep)
     if given.suffix in (".yaml", ".yml") and given.is_file():
-        candidate = root / load_grid(given).name
+        candidate = root / grid_name(given)
     elif (given / "sweep.json").exists():
         candidate = given
     else:
