@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import RunConfig
-from harness.io import atomic_write_json, read_json
+from harness.io import atomic_write_json, atomic_write_text, read_json
 from harness.rundir import now_iso, read_metric_rows
 
 LOGGERS = ("tensorboard", "wandb")
@@ -102,8 +102,6 @@ def _tensorboard(run_dir: Path, cfg: RunConfig, rows) -> None:
                 writer.add_scalar(key, value, global_step=step)
     finally:
         writer.close()
-    from harness.io import atomic_write_text
-
     atomic_write_text(folder / "hparams.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
