@@ -66,6 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_override(arg: str) -> bool:
+    key, eq, _ = arg.partition("=")
+    return bool(eq) and bool(key) and not arg.startswith("-")
+
+
+def _take_overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """Give a command its KEY=VALUE arguments wherever they stand after it; return what is still unrecognized.
+
+    argparse hands a positional list only the arguments right after the other positionals, so an override after
+    an option (``sweep g.yaml --results R eval.tasks=[x]``) arrives here as unrecognized.
+    """
+    overrides = [a for a in extra if _is_override(a)]
+    if not overrides or not hasattr(args, "_parser"):
+        return extra
+    if not hasattr(args, "overrides"):
+        takers = ", ".join(f"depthmem {c}" for c in ("train", "sweep"))
+        args._parser.error(
+            f"depthmem {args.command} takes no KEY=VALUE overrides, got {overrides[0]!r}; {takers} take them"
+        )
+    args.overrides = list(args.overrides) + overrides
+    return [a for a in extra if not _is_override(a)]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -76,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         args._run = lm_eval.run
     else:
         args, extra = parser.parse_known_args(argv)
+        extra = _take_overrides(args, extra)
         if extra:  # say it with the usage of the subcommand that got them, not the top-level one
             getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "_run", None):

@@ -263,6 +263,10 @@ class SlurmConfig:
             raise ValueError(f"slurm.gpus_per_node must be zero or more, got {self.gpus_per_node}")
         if not 0 < self.mem_gb < math.inf:
             raise ValueError(f"slurm.mem_gb must be a positive number, got {self.mem_gb}")
+        from harness.sbatch import check_values
+
+        for name in ("partition", "account", "qos", "setup"):
+            check_values(getattr(self, name), f"slurm.{name}")
 
 
 @dataclass(kw_only=True)
@@ -474,8 +478,10 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
         raise UsageError(
             f"The {what} {str(path)!r} is not UTF-8 text (byte {raw[e.start]:#04x} at line {line}); save it as UTF-8."
         ) from None
+    from harness.yamltext import load
+
     try:
-        return yaml.safe_load(text)
+        return load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

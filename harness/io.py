@@ -55,6 +55,18 @@ def current_umask() -> int:
     return mask
 
 
+def honour_umask(paths) -> None:
+    """Give each file of ``paths`` the mode ``open`` would have given it under the umask.
+
+    Writers outside the harness (safetensors' weights) create files through a temporary file of mode 0600, which
+    colleagues sharing a results folder cannot read.
+    """
+    mode = 0o666 & ~current_umask()
+    for path in map(Path, paths):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
+            os.chmod(path, mode)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("bytes", "kB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":

@@ -241,6 +241,41 @@ def test_unknown_key_in_profile(capsys, tmp_path):
     assert "Unknown key 'time_mins'" in line and "Did you mean 'time_min'?" in line
 
 
+@pytest.mark.parametrize(
+    "where, text",
+    [
+        ("grid", 'base:\n  slurm: {partition: "debug\\ntouch x"}\n'),
+        ("grid", 'base:\n  slurm: {setup: ["module load cuda", "echo a\\recho b"]}\n'),
+        ("profile", 'account: "lab\\u001b[2J"\n'),
+        ("profile", 'additional: {constraint: "a100\\nhostname"}\n'),
+    ],
+)
+def test_sbatch_strings_with_control_characters_are_refused(capsys, tmp_path, where, text):
+    """Every string that goes into an sbatch script is one line: a newline would add a line to the job."""
+    grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
+    args = ["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")]
+    if where == "grid":
+        grid.write_text(GRID.format(name="g", variants="[preln]").replace("base:\n", text, 1))
+    else:
+        args += ["--profile", str(write(tmp_path / "p.yaml", "time_min: 10\n" + text))]
+    line = fails(capsys, args)
+    assert "one line of printable text" in line and "sbatch" in line, line
+    assert "\\n" in line or "\\r" in line or "\\x1b" in line, line
+    assert not (tmp_path / "results" / "g").exists()
+
+
+def test_sbatch_check_covers_every_job_setting(tmp_path):
+    """The last check before submitit writes the script: the results folder is in it too."""
+    from harness.errors import UsageError
+    from harness.sweeps.profiles import Profile
+    from harness.sweeps.submit import _executor
+
+    with pytest.raises(UsageError, match="one line of printable text.*sbatch"):
+        _executor("slurm", tmp_path / "sweep\nrm -rf x" / "jobs", Profile(), 2, "g")
+    with pytest.raises(UsageError, match="one line of printable text.*sbatch"):
+        _executor("slurm", tmp_path / "jobs", Profile(setup=["module load x\x00"]), 2, "g")
+
+
 # -- data: corpus, shards, tokenizer --------------------------------------------------------------------------
 def test_missing_corpus_folder(capsys, tmp_path):
     line = fails(
@@ -310,6 +345,21 @@ def test_missing_tokenizer_file(capsys, tmp_path, shards):
 def test_missing_prepare_input(capsys, tmp_path):
     line = fails(capsys, ["prepare", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "shards")])
     assert "nope.txt" in line and ".jsonl or .parquet" in line
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_prepare_of_a_file_that_is_not_parquet(capsys, tmp_path, damage):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "docs.parquet"
+    if damage == "garbage":
+        path.write_bytes(b"this is plain text with a .parquet name\n" * 20)
+    else:
+        pq.write_table(pa.table({"text": [f"document {i} " * 50 for i in range(200)]}), path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    line = fails(capsys, ["prepare", str(path), "--out", str(tmp_path / "shards")], code=2)
+    assert "docs.parquet" in line and "not a readable Parquet file" in line and ".jsonl" in line
 
 
 # -- checkpoints ----------------------------------------------------------------------------------------------
@@ -398,6 +448,33 @@ def test_eval_of_a_folder_without_checkpoint(capsys, tmp_path, trained_run):
     shutil.rmtree(run / "ckpt")
     line = fails(capsys, ["eval", str(run), "--tasks", "offline_copa"])
     assert "no checkpoint" in line and "ckpt/last.ckpt" in line
+
+
+def test_eval_device_must_be_one_torch_knows(capsys, trained_run):
+    line = fails(capsys, ["eval", str(trained_run), "--tasks", "offline_copa", "--limit", "2", "--device", "tpu"])
+    assert "Unknown device 'tpu'" in line and "cpu, cuda, cuda:N" in line
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_eval_on_cuda_without_a_gpu_is_refused(capsys, tmp_path, trained_run, device):
+    out = tmp_path / "eval"
+    line = fails(
+        capsys,
+        ["eval", str(trained_run), "--tasks", "offline_copa", "--limit", "2", "--device", device, "--out", str(out)],
+    )
+    assert f"--device {device}" in line and "has none" in line and "--device cpu" in line
+    assert not out.exists()
+
+
+def test_eval_of_a_sweep_folder_says_how_to_evaluate_its_runs(capsys, tmp_path, trained_run):
+    sweep = tmp_path / "results" / "g"
+    _copy(trained_run, sweep / "preln-s0-12345678")
+    (sweep / "sweep.json").write_text(json.dumps({"grid": "experiments/g.yaml", "runs": []}))
+    line = fails(capsys, ["eval", str(sweep), "--tasks", "offline_copa"])
+    assert "is a sweep folder, not a run" in line and "depthmem sweep experiments/g.yaml eval.tasks=" in line
+    assert f"depthmem eval {sweep}/RUN_ID" in line and "far enough" not in line
+    assert not (sweep / "eval").exists()
 
 
 # -- evaluation tasks and benchmark data ----------------------------------------------------------------------

@@ -3,6 +3,8 @@ own FLOP counter."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -75,10 +77,45 @@ def test_unknown_preset_is_a_usage_error():
         cost_table("huge")
 
 
-def test_cli_prints_the_table(capsys):
+def test_cli_prints_the_table_with_units_and_percentages(capsys):
+    from harness import units
+
     assert main(["variants", "--costs", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
-    assert "params_added" in out and "denseformer" in out
+    table = cost_table("tiny")
+    lines = out.splitlines()
+    assert lines[0].startswith("cost over PreLN at the tiny preset (PreLN: ") and "params added" in lines[1]
+    for row, line in zip(table.itertuples(), lines[2:], strict=True):
+        assert line.split()[:5] == [
+            row.variant,
+            units.si(row.params_added),
+            f"+{units.percent(row.params_added_frac)}",
+            f"{row.stream_floats_per_token:,}",
+            "floats",
+        ]
+        assert line.split()[5:] == [units.si(row.extra_flops_per_token), f"+{units.percent(row.extra_flops_frac)}"]
+        assert f"{row.params_added_frac:.6f}" not in line  # no bare fractions
+    assert main(["variants", "--costs", "--preset", "tiny", "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)
+    assert raw[1]["params_added"] == int(table.params_added[1])  # the machine-readable form keeps raw numbers
+
+
+@pytest.mark.parametrize(
+    "n, shown", [(0, "0"), (27, "27"), (3072, "3.07k"), (800256, "800k"), (1_695_360, "1.7M"), (2.5e9, "2.5G")]
+)
+def test_counts_read_with_si_prefixes(n, shown):
+    from harness import units
+
+    assert units.si(n) == shown
+
+
+@pytest.mark.parametrize(
+    "fraction, shown", [(0.044506, "4.45%"), (0.000171, "0.0171%"), (2e-7, "0.000020%"), (3.1e-5, "0.0031%"), (0, "0%")]
+)
+def test_shares_read_as_percentages(fraction, shown):
+    from harness import units
+
+    assert units.percent(fraction) == shown
 
 
 # -- LDM and LDM-RLS: the count follows the implementation that runs -----------------------------------------------

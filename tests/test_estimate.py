@@ -57,7 +57,7 @@ def test_dry_run_prints_costs_per_run_and_total(tmp_path, capsys):
     )
     assert main(["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
-    assert "GPU-hours at 50% of a 989 TFLOP/s bf16 peak" in out
+    assert "GPU time at 50% of a 989 TFLOP/s bf16 peak" in out
     costs = [
         run_cost(
             build_config(
@@ -73,7 +73,25 @@ def test_dry_run_prints_costs_per_run_and_total(tmp_path, capsys):
         for v in ("preln", "hc")
     ]
     total = sum(c["train_flops"] for c in costs)
-    assert f"total: 2 run(s), {2 * 100 * 16 * 64 / 1e9:,.2f}B tokens, {total:.3e} training FLOPs" in out
+    assert f"total: 2 run(s), {2 * 100 * 16 * 64 / 1e6:.3g}M tokens, {total:.3e} training FLOPs" in out
+    # A grid this small still reads in its own units: no zero tokens, no zero GPU time.
+    minutes = sum(c["gpu_hours"] for c in costs) * 60
+    assert f"{minutes:.2g} GPU-min" in out and minutes > 0
+    assert "0.000B" not in out and " 0.0 " not in out and "0M " not in out
+
+
+@pytest.mark.parametrize(
+    "tokens, hours, shown_tokens, shown_time",
+    [
+        (102_400, 1.2e-5, "0.102M", "0.00072 GPU-min"),
+        (2_500_000, 0.5, "2.5M", "30 GPU-min"),
+        (3_000_000_000, 1500.0, "3,000M", "1,500 GPU-h"),
+    ],
+)
+def test_costs_read_in_millions_of_tokens_and_gpu_minutes_at_every_scale(tokens, hours, shown_tokens, shown_time):
+    from harness import units
+
+    assert units.tokens(tokens) == shown_tokens and units.gpu_time(hours) == shown_time
 
 
 def test_a_bad_utilisation_is_refused():

@@ -218,7 +218,10 @@ def test_pretrained_is_an_alias_of_checkpoint_and_the_device_used_is_recorded(tm
     argv = lm_eval_argv(["run", "--model", "depthmem", "--model_args", f"pretrained={run}", "--device", "cuda:0"])
     assert argv[argv.index("--device") + 1] == "cpu"
     assert "--device" in lm_eval_argv(["run", "--model", "depthmem", "--tasks", "offline_copa"])
-    results = evaluate(run, "offline_copa", limit=2, batch_size=2, device="cuda", bootstrap_iters=0)
+    # depthmem's own evaluation refuses it instead, before anything loads; left to choose, it records the CPU
+    with pytest.raises(UsageError, match="asks for a GPU and this machine has none; use --device cpu"):
+        evaluate(run, "offline_copa", limit=2, batch_size=2, device="cuda", bootstrap_iters=0)
+    results = evaluate(run, "offline_copa", limit=2, batch_size=2, bootstrap_iters=0)
     assert results["config"]["device"] == "cpu"
 
 
@@ -264,6 +267,47 @@ def test_eval_says_where_it_wrote(tmp_path, rng_seed, capsys):
     )
     assert f"in {run.resolve() / 'eval'}" in capsys.readouterr().out
     assert json.loads((run / "eval" / "tasks.json").read_text())["offline_copa"]["limit"] == 2
+
+
+def test_evaluation_outside_a_git_checkout_prints_no_git_error(tmp_path, rng_seed):
+    """lm-eval asks git for the working directory's commit; a job's folder is no checkout, and the answer
+    recorded is the harness's own commit, asked for quietly."""
+    from harness.rundir import git_revision
+
+    run = make_run(tmp_path / "run", rng_seed)
+    outside = tmp_path / "job-folder"
+    outside.mkdir()
+    env = {**os.environ, **OFFLINE_ENV, "GIT_CEILING_DIRECTORIES": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    for argv in (
+        ["eval", str(run), "--tasks", "offline_copa", "--limit", "2", "--device", "cpu", "--bootstrap-iters", "0"],
+        [
+            "lm-eval",
+            "run",
+            "--model",
+            "depthmem",
+            "--model_args",
+            f"checkpoint={run},device=cpu",
+            "--tasks",
+            "offline_copa",
+            "--limit",
+            "2",
+            "--output_path",
+            str(tmp_path / "cli"),
+        ],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "harness.cli", *argv],
+            cwd=outside,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "not a git repository" not in proc.stderr, proc.stderr[-3000:]
+    (written,) = (run / "eval").glob("results_*.json")
+    assert json.loads(written.read_text())["git_hash"] == git_revision()
 
 
 def test_the_task_index_is_built_once_per_setting():

@@ -64,7 +64,37 @@ def test_other_variants_export_with_remote_code(tmp_path, variant):
     with torch.no_grad():
         ours, theirs = model(idx), hf(idx).logits
     assert torch.equal(ours, theirs)
-    assert transformers.AutoTokenizer.from_pretrained(out).eos_token == "<|endoftext|>"
+
+
+def test_export_files_follow_the_umask_and_the_tokenizer_loads_without_a_prompt(tmp_path):
+    """Colleagues can read every exported file, and the tokenizer of a remote-code export loads, with the
+    config's own model type, without asking anything on standard input."""
+    import os
+    import subprocess
+    import sys
+
+    run = _trained(tmp_path, "ldm-rls")
+    out = tmp_path / "hf"
+    old = os.umask(0o027)
+    try:
+        assert main(["export", str(run), "--hf", str(out)]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir() if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o640"}, modes
+    code = (
+        "import sys, transformers\n"
+        "transformers.logging.set_verbosity_warning()\n"
+        "tok = transformers.AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "cfg = transformers.AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "print(tok.eos_token, cfg.model_type)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(out)], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["<|endoftext|>", "depthmem"]
+    assert "custom code" not in done.stderr and "model of type" not in done.stderr, done.stderr
 
 
 def test_lm_eval_hf_backend_scores_an_export_as_the_project_does(tmp_path):

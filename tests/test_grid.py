@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -222,7 +223,9 @@ def test_paper_dry_run_warns_about_the_missing_corpus_and_submission_refuses(cap
     steps = math.ceil(math.ceil(20.0 * n) / (256 * 1024))
     assert f"budget: every run trains {steps:,} steps on {steps * 256 * 1024:,} tokens" in out
     n_runs = int(out.split(" run(s)")[0].split()[-1])
-    assert out.count(f" {steps} {steps * 256 * 1024} ") == n_runs > 70  # on every run's line
+    # on every run's line, after its action: the steps, then the tokens in millions
+    shown = f"{steps * 256 * 1024 / 1e6:,.0f}M"
+    assert len(re.findall(rf" submit +{steps} +{re.escape(shown)}$", out, re.M)) == n_runs > 70
     assert main(["sweep", grid, "--results", "/nonexistent-results"]) == 2
     err = capsys.readouterr().err
     assert "does not exist yet" in err and "Traceback" not in err
@@ -384,11 +387,13 @@ def test_dry_run_for_slurm_checks_sbatch(tmp_path, monkeypatch, capsys):
     assert "needs sbatch on PATH" in capsys.readouterr().err
 
 
-def test_key_value_overrides_change_the_base_but_not_an_axis(tmp_path, capsys):
+def test_key_value_overrides_change_the_base_and_narrow_an_axis(tmp_path, capsys):
     path = write(tmp_path, "name: kv\nbase: {model: {preset: tiny}}\naxes: {train.seed: [0, 1]}\n")
     p = plan(path, root=tmp_path / "r", overrides=["train.max_steps=7", "train.lr=0.002"])
-    assert {(r.cfg.train.max_steps, r.cfg.train.lr) for r in p.runs} == {(7, 0.002)}
-    expect_error("train.seed is an axis", plan, path, root=tmp_path / "r", overrides=["train.seed=3"])
+    assert {(r.cfg.train.max_steps, r.cfg.train.lr) for r in p.runs} == {(7, 0.002)} and len(p.runs) == 2
+    full = {r.cfg.train.seed: r.run_id for r in p.runs}
+    narrowed = plan(path, root=tmp_path / "r", overrides=["train.max_steps=7", "train.lr=0.002", "train.seed=1"])
+    assert [(r.cfg.train.seed, r.run_id) for r in narrowed.runs] == [(1, full[1])]  # the same run, the same id
     assert (
         main(
             [
@@ -461,3 +466,68 @@ def test_no_controller_is_one_sentence(tmp_path, monkeypatch):
         check_executor("slurm", load_profile("local"))
     text = str(info.value)
     assert text.startswith("No SLURM controller answers") and "Unable to contact" in text and "\n" not in text
+
+
+def test_overrides_anywhere_after_the_command(tmp_path, capsys):
+    path = write(tmp_path, "name: kv\nbase: {model: {preset: tiny}, train: {max_steps: 3}}\naxes: {variant: [preln]}\n")
+    results = str(tmp_path / "r")
+    for argv in (
+        ["sweep", str(path), "--results", results, "eval.tasks=[offline_copa]", "--dry-run", "train.lr=2e-3"],
+        ["sweep", "eval.tasks=[offline_copa]", str(path), "--dry-run", "--results", results, "train.lr=2e-3"],
+        ["sweep", "--dry-run", str(path), "--set", "train.lr=2e-3", "--results", results, "eval.tasks=[offline_copa]"],
+    ):
+        assert main(argv) == 0, argv
+        assert "sweep kv: 1 run(s)" in capsys.readouterr().out
+    p = plan(path, root=results, overrides=["eval.tasks=[offline_copa]", "train.lr=2e-3"])
+    assert p.runs[0].cfg.eval.tasks == ["offline_copa"] and p.runs[0].cfg.train.lr == 0.002
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--preset", "tiny", "--dry-run", "train.lr=4e-3", "--max-steps", "2"]) == 0
+    resolved = json.loads(capsys.readouterr().out)
+    assert resolved["train"]["lr"] == 0.004 and resolved["train"]["max_steps"] == 2
+    with pytest.raises(SystemExit) as e:
+        main(["status", "kv", "--results", results, "train.lr=1e-3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "depthmem status takes no KEY=VALUE overrides, got 'train.lr=1e-3'" in err
+    with pytest.raises(SystemExit):
+        main(["sweep", str(path), "--results", results, "--dry-run", "stray"])
+    assert "unrecognized arguments: stray" in capsys.readouterr().err
+
+
+def test_comma_separated_values_add_or_replace_an_axis(tmp_path, capsys):
+    path = write(
+        tmp_path,
+        "name: mr\nbase: {model: {preset: tiny}, train: {max_steps: 3}}\naxes: {variant: [preln, hc]}\n"
+        "zip: {train.lr: [1.0e-3, 2.0e-3], train.warmup_steps: [1, 2]}\n",
+    )
+    seeds = plan(path, root=tmp_path / "r", overrides=["train.seed=0,1,2", "eval.tasks=[offline_copa,offline_piqa]"])
+    assert seeds.axes == ["variant", "train.seed", "train.lr", "train.warmup_steps"]
+    assert len(seeds.runs) == 2 * 3 * 2 and {r.cfg.train.seed for r in seeds.runs} == {0, 1, 2}
+    assert all(r.cfg.eval.tasks == ["offline_copa", "offline_piqa"] for r in seeds.runs)  # a list is one value
+    replaced = plan(path, root=tmp_path / "r", overrides=["variant=preln,ldm,mhc"])
+    assert [r.cfg.variant for r in replaced.runs][::2] == ["preln", "ldm", "mhc"] and len(replaced.runs) == 6
+    assert main(["sweep", str(path), "train.seed=3,4", "--dry-run", "--results", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[1].split()
+    assert header[:4] == ["run_id", "variant", "seed", "lr"] and "sweep mr: 8 run(s)" in out
+    assert len(re.findall(r"^\S+-s[34]-\S+ +(preln|hc) +[34] ", out, re.M)) == 8
+    expect_error("zip group", plan, path, root=tmp_path / "r", overrides=["train.lr=1e-3,5e-3"])
+    expect_error("names a value twice", plan, path, root=tmp_path / "r", overrides=["train.seed=1,1"])
+
+
+def test_floats_without_a_dot_are_numbers_in_grid_and_config_files(tmp_path):
+    from harness.config import load_config
+
+    path = write(
+        tmp_path,
+        "name: f\nbase: {model: {preset: tiny}, train: {weight_decay: 1e-2}}\naxes: {train.lr: [1e-3, 3E-3]}\n",
+    )
+    grid = load_grid(path)
+    assert grid.axes["train.lr"] == [0.001, 0.003] and grid.base["train"]["weight_decay"] == 0.01
+    runs = expand(grid)
+    assert [r.cfg.train.lr for r in runs] == [0.001, 0.003] and [r.overrides["train.lr"] for r in runs] == [
+        0.001,
+        0.003,
+    ]
+    config = write(tmp_path, "train: {lr: 5e-4}\n", "c.yaml")
+    assert load_config(config).train.lr == 0.0005
+    assert load_grid(write(tmp_path, 'axes: {data.corpus: ["1e-3"]}\n', "q.yaml")).axes["data.corpus"] == ["1e-3"]

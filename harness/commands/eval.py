@@ -23,7 +23,9 @@ def add_parser(sub):
     )
     p.add_argument("--limit", type=int, default=None, metavar="N", help="documents per task (default: all)")
     p.add_argument("--batch-size", type=int, default=16, metavar="N", help="sequences per forward pass (default 16)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:N or mps (default: cuda when available); a GPU must be present"
+    )
     p.add_argument("--out", default=None, metavar="DIR", help="write here instead of RUN_DIR/eval")
     p.add_argument(
         "--bootstrap-iters",
@@ -38,12 +40,15 @@ def add_parser(sub):
 
 def run(args) -> int:
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
-    from harness.evaluation.evaluator import check_options, evaluate, parse_tasks, run_directory
+    from pathlib import Path
 
+    from harness.evaluation.evaluator import check_device, check_options, evaluate, parse_tasks, run_directory
+    from harness.training.checkpoint import check_not_sweep
+
+    check_not_sweep(Path(args.path))
     check_options(limit=args.limit, batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)
+    check_device(args.device)
     if args.dry_run:
-        from pathlib import Path
-
         out = args.out or str(run_directory(Path(args.path)) / "eval")
         print(
             json.dumps(
@@ -60,8 +65,6 @@ def run(args) -> int:
             )
         )
         return 0
-    from pathlib import Path
-
     from lm_eval.utils import make_table
 
     results = evaluate(

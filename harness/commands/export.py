@@ -8,8 +8,8 @@ def add_parser(sub):
         "export",
         help="write a run as a Hugging Face model folder that transformers and lm-eval --model hf load",
         description="PreLN becomes a plain LlamaForCausalLM checkpoint; every other variant a transformers model "
-        "with remote code (load it with trust_remote_code=True where depthmem is installed). The "
-        "run's tokenizer is saved beside it.",
+        "with remote code (load it and its tokenizer with trust_remote_code=True where depthmem is "
+        "installed). The run's tokenizer is saved beside it; every file follows the umask.",
     )
     p.add_argument("run", metavar="RUN", help="run directory (or a .ckpt file beside its config.json)")
     p.add_argument("--hf", required=True, metavar="OUT", help="folder to write the model and tokenizer into")
@@ -22,7 +22,7 @@ def run(args) -> int:
 
     out = export_hf(args.run, args.hf)
     print(
-        f"depthmem: wrote {out} (load it with transformers' from_pretrained"
+        f"depthmem: wrote {out} (load the model and the tokenizer with transformers' from_pretrained"
         + (
             ""
             if (out / "model.safetensors").exists() and "llama" in (out / "config.json").read_text()

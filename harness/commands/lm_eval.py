@@ -57,7 +57,7 @@ def lm_eval_argv(rest: list[str]) -> list[str]:
 
 
 def run(args) -> int:
-    from harness.evaluation.evaluator import prepare_environment
+    from harness.evaluation.evaluator import harness_git_hash, prepare_environment
 
     prepare_environment(offline=False)
     from lm_eval.__main__ import cli_evaluate
@@ -70,7 +70,8 @@ def run(args) -> int:
     logger = logging.getLogger("lm_eval")
     level = logger.level
     try:
-        cli_evaluate()
+        with harness_git_hash():
+            cli_evaluate()
     except ValueError as e:
         # lm-eval's own words for a misspelt task name, turned into one sentence without a traceback.
         if not str(e).startswith("Tasks not found"):

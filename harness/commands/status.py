@@ -8,6 +8,7 @@ import time
 
 from harness.errors import UsageError
 from harness.sweeps.jobstate import axis_columns, format_rows, sweep_status
+from harness.units import duration
 
 COLUMNS = ["state", "step", "loss", "val_loss", "job_id", "node", "reason"]
 
@@ -43,9 +44,6 @@ def add_parser(sub):
 
 
 def _progress(row) -> str:
-    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
-    from harness.training.trainer import duration
-
     total = row.get("total_steps")
     step = row.get("step") or 0
     if not total:

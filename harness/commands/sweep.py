@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from harness.commands.train import check_overrides
 from harness.errors import UsageError
 from harness.sweeps.grid import combinations, load_grid
@@ -17,10 +19,17 @@ def add_parser(sub):
         "validate them all, and submit the unfinished ones as job arrays through submitit. Submitting "
         "again skips finished and queued runs, resumes interrupted and cancelled ones from their "
         "checkpoint, evaluates finished runs on tasks added since, and reruns failed ones only with "
-        "--retry-failed. KEY=VALUE arguments override the grid's base, e.g. train.max_steps=200.",
+        "--retry-failed. KEY=VALUE arguments, anywhere after FILE, override the grid's base, e.g. "
+        "train.max_steps=200; KEY=V1,V2 (Hydra multirun style) makes KEY an axis with those values, adding it "
+        "or replacing the grid's own (a list value is written in brackets: eval.tasks=[a,b]).",
     )
     p.add_argument("grid", metavar="FILE", help="grid file with base, axes, zip, include and exclude")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override a base config field (Hydra style)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="override a base config field; KEY=V1,V2,... sweeps KEY over those values as an axis",
+    )
     p.add_argument(
         "--set",
         dest="set_overrides",
@@ -119,7 +128,12 @@ RESULT_COLUMNS = ["state", "val_loss", "val_bpb", "params", "tokens_per_s", "rea
 
 
 def overrides_of(args) -> list[str]:
-
+    # ``sweep train.seed=0,1 g.yaml``: argparse took the first override for FILE and FILE for an override.
+    if "=" in args.grid and not Path(args.grid).exists():
+        files = [o for o in args.overrides if "=" not in o]
+        if files:
+            args.overrides = [args.grid] + [o for o in args.overrides if o != files[0]]
+            args.grid = files[0]
     extra = [f"train.wandb_project={args.wandb_project}"] if getattr(args, "wandb_project", None) else []
     return check_overrides(list(args.set_overrides) + list(args.overrides)) + extra
 

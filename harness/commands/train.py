@@ -99,8 +99,18 @@ def run(args) -> int:
     if args.dry_run:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    from pathlib import Path
+
+    from harness import tracking
+    from harness.rundir import read_status, write_config
     from harness.training.trainer import train
 
+    out = Path(args.out)
+    finished = not args.no_resume and read_status(out).get("state") == "done" and (out / "summary.json").exists()
     run_dir = train(cfg, args.out, resume=not args.no_resume)
+    if finished and tracking.needs_backfill(run_dir, cfg):
+        rows = tracking.backfill(run_dir, cfg)
+        write_config(run_dir, cfg)
+        print(f"depthmem: sent {rows} logged step(s) of the finished run to {cfg.train.logger} from its metrics.csv")
     print(f"depthmem: run directory {run_dir}")
     return 0

@@ -17,6 +17,30 @@ def add_parser(sub):
     return p
 
 
+def describe_costs(table) -> str:
+    """The cost table for a reader: counts with their units and SI prefixes, shares of PreLN as percentages."""
+    from harness import units
+    from harness.sweeps.jobstate import format_rows
+
+    rows = [
+        {
+            "variant": r.variant,
+            "params added": units.si(r.params_added),
+            "of PreLN": f"+{units.percent(r.params_added_frac)}",
+            "depth state / token": f"{r.stream_floats_per_token:,} floats",
+            "FLOPs added / token": units.si(r.extra_flops_per_token),
+            "of PreLN ": f"+{units.percent(r.extra_flops_frac)}",
+        }
+        for r in table.itertuples()
+    ]
+    a = table.attrs
+    head = (
+        f"cost over PreLN at the {a['preset']} preset (PreLN: {units.si(a['preln_params'])} parameters, "
+        f"{units.si(a['preln_flops_per_token'])} forward FLOPs per token at full context); --json gives the raw numbers"
+    )
+    return head + "\n" + format_rows(rows, list(rows[0]) if rows else [])
+
+
 def run(args) -> int:
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     import variants
@@ -25,7 +49,7 @@ def run(args) -> int:
         from harness.model.costs import cost_table
 
         table = cost_table(args.preset)
-        print(json.dumps(table.to_dict(orient="records"), indent=2) if args.json else table.to_string(index=False))
+        print(json.dumps(table.to_dict(orient="records"), indent=2) if args.json else describe_costs(table))
         return 0
     info = variants.describe()
     if args.json:

@@ -332,16 +332,35 @@ def _documents(path: str, text_field: str, split: str, config: str | None = None
             if not records:
                 raise UsageError(f"The input {path!r} holds no JSON records: there is nothing in it to prepare.")
         elif p.suffix == ".parquet":
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
-            pf = pq.ParquetFile(p)
+            def not_parquet(e: Exception) -> UsageError:
+                reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+                return UsageError(
+                    f"The input {path!r} is not a readable Parquet file ({reason}); "
+                    "check that it was copied whole, or give text or .jsonl files instead."
+                )
+
+            try:
+                pf = pq.ParquetFile(p)
+            except (pa.ArrowException, OSError) as e:
+                raise not_parquet(e) from None
             if text_field not in pf.schema_arrow.names:
                 raise UsageError(
                     f"{p} has no column {text_field!r}; choose it with --text-field "
                     f"(columns: {', '.join(pf.schema_arrow.names)})."
                 )
             row = 0
-            for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            batches = pf.iter_batches(columns=[text_field], batch_size=1024)
+            while True:
+                # A file cut short or damaged after its footer fails only when its pages are read.
+                try:
+                    batch = next(batches, None)
+                except (pa.ArrowException, OSError) as e:
+                    raise not_parquet(e) from None
+                if batch is None:
+                    break
                 for value in batch.column(0).to_pylist():
                     row += 1
                     yield _text_of(value, f"Row {row} of {p}", text_field)

@@ -11,10 +11,12 @@ Hugging Face hub.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -108,15 +110,16 @@ def run_tasks(
     import lm_eval
 
     try:
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=names,
-            task_manager=manager,
-            limit=limit,
-            bootstrap_iters=bootstrap_iters,
-            log_samples=False,
-            cache_requests=False,
-        )
+        with harness_git_hash():
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=names,
+                task_manager=manager,
+                limit=limit,
+                bootstrap_iters=bootstrap_iters,
+                log_samples=False,
+                cache_requests=False,
+            )
     except Exception as e:
         twins = [n for n in names if f"{SUITE}_{n}" in KNOWN_NAMES]
         if twins and _is_network_error(e):
@@ -129,6 +132,27 @@ def run_tasks(
     if results is None:  # only rank 0 gets results; a single process is always rank 0
         raise UsageError("lm-eval returned no results: run the evaluation in a single process.")
     return results
+
+
+@contextlib.contextmanager
+def harness_git_hash():
+    """Record the harness's own commit as lm-eval's ``git_hash``.
+
+    lm-eval runs ``git describe`` in the working directory with its stderr on the terminal, so every evaluation
+    started outside a checkout (a cluster job's folder) printed "fatal: not a git repository"; and the commit of
+    the working directory says nothing about the code that evaluated. ``git_revision`` reads the harness's
+    checkout and stays quiet.
+    """
+    import lm_eval.evaluator
+
+    from harness.rundir import git_revision
+
+    original = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = git_revision
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = original
 
 
 def _is_network_error(e: BaseException) -> bool:
@@ -165,8 +189,12 @@ def evaluate(
     path = Path(run_dir_or_ckpt)
     if not path.exists():
         raise UsageError(f"{str(path)!r} does not exist: give a run directory or a .ckpt file.")
+    from harness.training.checkpoint import check_not_sweep
+
+    check_not_sweep(path)
     names = parse_tasks(tasks)
     check_options(limit=limit, batch_size=batch_size, bootstrap_iters=bootstrap_iters)
+    check_device(device)
     out = Path(out_dir) if out_dir else run_directory(path) / "eval"
     writable_dir(out, "evaluation output folder")  # before the evaluation, not after it
     remove_stale_temps(out)
@@ -201,6 +229,31 @@ def check_options(*, limit: int | float | None, batch_size: int, bootstrap_iters
             f"The bootstrap iterations must be zero (no bootstrap stderrs) or a positive integer, "
             f"got {bootstrap_iters}."
         )
+
+
+_DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a device string torch does not know, and a GPU this machine does not have, before anything loads."""
+    if device is None:
+        return
+    text = str(device).strip()
+    if not _DEVICE.match(text):
+        raise UsageError(f"Unknown device {text!r}; allowed: cpu, cuda, cuda:N (N a GPU index) or mps.")
+    import torch
+
+    if text.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UsageError(f"--device {text} asks for a GPU and this machine has none; use --device cpu.")
+        index = int(text.partition(":")[2] or 0)
+        if index >= count:
+            raise UsageError(
+                f"--device {text} asks for GPU {index} and this machine has {count} (cuda:0 to cuda:{count - 1})."
+            )
+    elif text == "mps" and not torch.backends.mps.is_available():
+        raise UsageError("--device mps asks for Apple's GPU and this machine has none; use --device cpu.")
 
 
 def run_directory(path: Path) -> Path:

@@ -17,7 +17,7 @@ import torch
 
 from harness.data.tokenizer import EOT
 from harness.errors import UsageError
-from harness.io import writable_dir
+from harness.io import honour_umask, writable_dir
 from harness.training.checkpoint import load_model
 
 
@@ -72,6 +72,10 @@ def _save_tokenizer(tok, out: Path, max_len: int) -> None:
     hf.save_pretrained(str(out))
 
 
+def _stamps(folder: Path) -> dict[Path, tuple[int, int]]:
+    return {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
 def export_hf(run: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write the run's model and tokenizer to ``out`` as a transformers folder; returns ``out``."""
     try:
@@ -81,6 +85,7 @@ def export_hf(run: str | os.PathLike, out: str | os.PathLike) -> Path:
 
     model, tok, cfg = load_model(run)
     out = writable_dir(out, "export folder")
+    before = _stamps(out)
     eot = tok.eot_id
     if cfg.variant == "preln":
         hf_cfg = llama_config(cfg.model)
@@ -106,4 +111,6 @@ def export_hf(run: str | os.PathLike, out: str | os.PathLike) -> Path:
         hf.decoder.load_state_dict(model.state_dict())
     hf.eval().save_pretrained(str(out))
     _save_tokenizer(tok, out, cfg.model.max_seq_len)
+    # Only what this export wrote: other files already in the folder keep the mode their owner gave them.
+    honour_umask(p for p, stamp in _stamps(out).items() if before.get(p) != stamp)
     return out

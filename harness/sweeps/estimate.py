@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from harness import units
 from harness.config import RunConfig
 from harness.model.factory import build_model
 from harness.sweeps.jobstate import format_rows
@@ -65,11 +66,11 @@ def describe_costs(runs, profile) -> str:
     rows = [
         {
             "run_id": r.run_id,
-            "params": f"{c['params'] / 1e6:,.1f}M",
+            "params": units.si(c["params"]),
             "steps": c["steps"],
-            "tokens": f"{c['tokens'] / 1e9:,.3f}B",
+            "tokens": units.tokens(c["tokens"]),
             "train_flops": f"{c['train_flops']:.3e}",
-            "gpu_hours": f"{c['gpu_hours']:,.1f}",
+            "gpu_time": units.gpu_time(c["gpu_hours"]),
         }
         for r, c in zip(runs, costs)
     ]
@@ -77,13 +78,14 @@ def describe_costs(runs, profile) -> str:
     total_hours = sum(c["gpu_hours"] for c in costs)
     gpus = profile.nodes * profile.gpus_per_node
     lines = [
-        f"cost (training FLOPs = 3 x forward FLOPs of the cost model x tokens; GPU-hours at "
+        f"cost (training FLOPs = 3 x forward FLOPs of the cost model x tokens; GPU time at "
         f"{profile.utilisation:.0%} of a {profile.gpu_peak_tflops:g} TFLOP/s bf16 peak, profile "
         f"{profile.name}):",
-        format_rows(rows, ["run_id", "params", "steps", "tokens", "train_flops", "gpu_hours"]),
-        f"total: {len(costs)} run(s), {sum(c['tokens'] for c in costs) / 1e9:,.2f}B tokens, "
-        f"{total_flops:.3e} training FLOPs, {total_hours:,.1f} GPU-hours",
+        format_rows(rows, ["run_id", "params", "steps", "tokens", "train_flops", "gpu_time"]),
+        f"total: {len(costs)} run(s), {units.tokens(sum(c['tokens'] for c in costs))} tokens, "
+        f"{total_flops:.3e} training FLOPs, {units.gpu_time(total_hours)}",
     ]
     if gpus and costs:
-        lines[-1] += f"; {total_hours / len(costs) / gpus:,.1f} h of wall time per run on its {gpus} GPU(s)"
+        wall = units.duration(total_hours / len(costs) / gpus * 3600)
+        lines[-1] += f"; {wall} of wall time per run on its {gpus} GPU(s)"
     return "\n".join(lines)

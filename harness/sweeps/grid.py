@@ -171,6 +171,16 @@ def load_grid(path: str | Path) -> Grid:
     return parse_grid(read_yaml(path, "grid file"), source=str(path), default_name=path.stem)
 
 
+def grid_name(path: str | Path) -> str:
+    """The sweep name of a grid file, read without checking its runs: what ``status`` and ``cancel`` need, without
+    loading the variants (and torch) that checking a report baseline takes."""
+    path = Path(path)
+    data = read_yaml(path, "grid file")
+    if not isinstance(data, dict) or not isinstance(data.get("report"), dict):
+        return load_grid(path).name
+    return parse_grid({k: v for k, v in data.items() if k != "report"}, source=str(path), default_name=path.stem).name
+
+
 def combinations(grid: Grid) -> list[dict[str, Any]]:
     """The grid's override sets, in order: the product of axes and zip groups, less excludes, plus includes."""
     factors: list[list[dict[str, Any]]] = [[{key: v} for v in values] for key, values in grid.axes.items()]

@@ -20,7 +20,7 @@ from typing import Any
 from harness.errors import UsageError
 from harness.io import DiskFull
 from harness.rundir import DAMAGED, axis_label, now_iso, read_status, read_summary, read_sweep_record, write_status
-from harness.sweeps.grid import load_grid
+from harness.sweeps.grid import grid_name
 
 # sacct states after which a job will not run again by itself.
 TERMINAL = (
@@ -50,7 +50,7 @@ def resolve_sweep_dir(sweep: str | Path, root: str | Path | None = None) -> Path
     root = Path(root or default_root())
     given = Path(sweep)
     if given.suffix in (".yaml", ".yml") and given.is_file():
-        candidate = root / load_grid(given).name
+        candidate = root / grid_name(given)
     elif (given / "sweep.json").exists():
         candidate = given
     else:
@@ -271,7 +271,10 @@ def run_rows(sweep_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
     for e in entries:
         row = reconcile(sweep_dir, e["run_id"], e.get("job_id"), e.get("executor"), info, record.get("grid", ""))
         row["variant"] = e.get("variant", "")
-        row["axes"] = dict(e.get("overrides") or {})
+        overrides = dict(e.get("overrides") or {})
+        # The grid's own order, as the dry run shows it, then keys only this run sets.
+        row["axes"] = {k: overrides[k] for k in record.get("axes") or [] if k in overrides}
+        row["axes"].update(overrides)
         for key, value in row["axes"].items():
             row.setdefault(key, value)
         summary = read_summary(sweep_dir / e["run_id"])
@@ -323,17 +326,37 @@ def cancel(sweep: str | Path, root: str | Path | None = None) -> list[str]:
     return [rid for rid, _, _ in stopped]
 
 
-def format_rows(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    """A plain text table of the given columns (blank for missing values); grid axes go by their short label."""
-    import pandas as pd
+def _cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def format_rows(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A plain text table of the given columns (blank for missing values); grid axes go by their short label.
+
+    Numbers are right-aligned and text left-aligned. Plain Python, not pandas: ``depthmem status`` prints this
+    and must answer at once.
+    """
     if not rows:
         return "(no runs)"
     labels = {c: axis_label(c) if "." in c else c for c in columns}
     if len(set(labels.values())) < len(labels):
         labels = {c: c for c in columns}
-    frame = pd.DataFrame([{labels[c]: row.get(c) for c in columns} for row in rows], columns=list(labels.values()))
-    return frame.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4g}")
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    numeric = [all(_is_number(row.get(c)) or row.get(c) is None for row in rows) for c in columns]
+    widths = [max([len(labels[c])] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line([labels[c] for c in columns]), *(line(values) for values in cells)])
 
 
 __all__ = [

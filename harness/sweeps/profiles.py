@@ -65,6 +65,13 @@ class Profile(SlurmConfig):
                 f"The profile {self.name!r} needs gpus_per_node, signal_delay_s and max_requeues "
                 f"of zero or more, and a positive mem_gb."
             )
+        from harness.sbatch import check_values
+
+        for name in ("partition", "account", "qos", "setup", "additional"):
+            try:
+                check_values(getattr(self, name), name)
+            except ValueError as e:
+                raise UsageError(f"The profile {self.name!r}: {e}.") from None
         if self.executor not in EXECUTORS:
             raise UsageError(
                 f"The profile {self.name!r} has executor {self.executor!r}; allowed: {', '.join(EXECUTORS)}."

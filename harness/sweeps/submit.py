@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import preflight
+from harness import preflight, tracking, units
 from harness.errors import DepthmemError, UsageError
 from harness.io import atomic_write_json, remove_stale_temps, writable_dir
 from harness.rundir import legacy_run_id, now_iso, read_status, read_sweep_record, write_config, write_status
@@ -67,6 +67,8 @@ class Plan:
     migrations: dict[str, str] = field(default_factory=dict)
     """run_id -> the folder name the same run has under the earlier id scheme, to be renamed on submission."""
     axes: list[str] = field(default_factory=list)
+    backfill: list[str] = field(default_factory=list)
+    """Finished runs whose ``train.logger`` has not seen their metrics; the submission sends them from metrics.csv."""
 
     def to_submit(self) -> list[GridRun]:
         return [r for r in self.runs if self.decisions.get(r.run_id) in ("submit", "resume", "retry", "evaluate")]
@@ -130,7 +132,7 @@ def plan(
         raise UsageError(f"Unknown executor {executor!r}; allowed: {', '.join(EXECUTORS)}.")
     grid = load_grid(grid_file)
     if overrides:
-        grid.base = {**grid.base, **_dotlist(overrides, grid)}
+        apply_overrides(grid, overrides)
     prof = load_profile(profile or grid.profile)
     runs = expand(grid, defaults=prof.config_layer())
     sweep_dir = Path(root or default_root()) / grid.name
@@ -159,6 +161,8 @@ def plan(
         elif state == "done":
             todo = pending_tasks(run_dir, list(r.cfg.eval.tasks), r.cfg.eval.limit) if r.cfg.eval.tasks else []
             p.decisions[r.run_id] = "evaluate" if todo else "done"
+            if tracking.needs_backfill(run_dir, r.cfg):
+                p.backfill.append(r.run_id)
         elif state in ("failed", "diverged"):
             p.decisions[r.run_id] = "retry" if retry_failed else "failed"
         elif (run_dir / "ckpt" / "last.ckpt").exists():
@@ -168,19 +172,60 @@ def plan(
     return p
 
 
-def _dotlist(overrides: list[str], grid: Grid) -> dict[str, Any]:
+def split_choices(text: str) -> list[str]:
+    """The parts of ``text`` between commas outside brackets and quotes: ``1e-3,3e-3`` has two, ``[a,b]`` one."""
+    parts, depth, quote, current = [], 0, "", ""
+    for c in text:
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{(":
+            depth += 1
+        elif c in "]})":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        current += c
+    return parts + [current]
+
+
+def apply_overrides(grid: Grid, overrides: list[str]) -> None:
+    """Apply command-line ``KEY=VALUE`` overrides to a grid, Hydra multirun style.
+
+    ``KEY=VALUE`` sets KEY in the base, except on a key the grid varies, whose axis it narrows to that one value;
+    ``KEY=V1,V2`` makes KEY an axis over the values (a new axis goes last; a grid's own keeps its place). A value
+    holding a list is written in brackets, ``eval.tasks=[a,b]``, and one comma-separated string in quotes.
+    """
     import yaml
 
-    varied = axis_keys(grid)
-    out = {}
+    from harness.yamltext import load
+
+    zipped = {k for g in grid.zips for k in g}
     for item in overrides:
         key, _, text = item.partition("=")
-        if key in varied:
+        key = key.strip()
+        choices = split_choices(text)
+        try:
+            values = [load(part) if part.strip() else "" for part in choices]
+        except yaml.YAMLError:
             raise UsageError(
-                f"{key} is an axis of {grid.source}; change its values in the grid file, not with {item!r}."
+                f"The value of {item!r} is not valid YAML: put brackets around a list and quotes around text "
+                "with commas or colons."
+            ) from None
+        if key in zipped:
+            raise UsageError(
+                f"{key} varies in a zip group of {grid.source}; change its values there, or drop it from the group "
+                f"to sweep it with {item!r}."
             )
-        out[key] = yaml.safe_load(text) if text else ""
-    return out
+        if len(values) > 1 or key in grid.axes:
+            if len(values) != len({repr(v) for v in values}):
+                raise UsageError(f"{item!r} names a value twice; each value of an axis gives one run.")
+            grid.axes[key] = values
+        else:
+            grid.base = {**grid.base, key: values[0]}
 
 
 @contextlib.contextmanager
@@ -201,7 +246,6 @@ def _own_process_groups():
 def _executor(kind: str, folder: Path, prof: Profile, parallelism: int, name: str):
     import submitit
 
-    ex = submitit.AutoExecutor(folder=str(folder), cluster=kind, slurm_max_num_timeout=prof.max_requeues)
     params: dict[str, Any] = dict(
         name=f"depthmem-{name}", timeout_min=prof.time_min, cpus_per_task=prof.cpus_per_task, mem_gb=float(prof.mem_gb)
     )
@@ -228,6 +272,14 @@ def _executor(kind: str, folder: Path, prof: Profile, parallelism: int, name: st
         # One local process per run: Lightning itself starts the DDP workers that train.devices asks for. The
         # profile's setup lines are for cluster nodes (modules, SLURM variables), so they are not run here.
         params.update(nodes=1, tasks_per_node=1)
+    if kind == "slurm":
+        from harness.sbatch import check_values
+
+        try:
+            check_values({"folder": str(folder), **params}, "the job setting")
+        except ValueError as e:
+            raise UsageError(f"{str(e)[0].upper()}{str(e)[1:]}.") from None
+    ex = submitit.AutoExecutor(folder=str(folder), cluster=kind, slurm_max_num_timeout=prof.max_requeues)
     ex.update_parameters(**params)
     return ex
 
@@ -340,6 +392,7 @@ def sweep(
         _migrate(p, log)
         sub = Submission(p)
         _announce(p, log)
+        _backfill(p, log)
         todo = p.to_submit()
         for r in todo:
             run_dir = p.sweep_dir / r.run_id
@@ -368,6 +421,24 @@ def sweep(
         return sub
     finally:
         lock.release()
+
+
+def _backfill(p: Plan, log) -> None:
+    """Send finished runs' metrics to a logger switched on after they trained, from their metrics.csv."""
+    if not p.backfill:
+        return
+    logger = {r.run_id: r.cfg.train.logger for r in p.runs}
+    for r in p.runs:
+        if r.run_id in p.backfill:
+            run_dir = p.sweep_dir / r.run_id
+            tracking.backfill(run_dir, r.cfg)
+            write_config(run_dir, r.cfg)  # the run's config now names the logger that holds its curves
+    names = sorted({logger[rid] for rid in p.backfill})
+    where = {"tensorboard": "TensorBoard (each run's tensorboard/ folder)", "wandb": "W&B"}
+    log(
+        f"sent the metrics of {len(p.backfill)} finished run(s) to {' and '.join(where[n] for n in names)} "
+        "from their metrics.csv; nothing was trained again"
+    )
 
 
 def _migrate(p: Plan, log) -> None:
@@ -586,15 +657,17 @@ def describe_plan(p: Plan) -> str:
         {
             "run_id": r.run_id,
             **{k: r.overrides.get(k, "") for k in p.axes},
+            "action": p.decisions.get(r.run_id),
             "steps": train_steps(r.cfg),
             "tokens": train_steps(r.cfg) * tokens_per_step(r.cfg),
-            "action": p.decisions.get(r.run_id),
         }
         for r in p.runs
     ]
+    # The columns in the order ``depthmem status`` shows them: id, grid values, what happens, then the budget.
+    shown = [{**row, "tokens": units.tokens(row["tokens"])} for row in rows]
     lines = [
         f"sweep {p.grid.name}: {len(p.runs)} run(s) in {p.sweep_dir}",
-        format_rows(rows, ["run_id", *p.axes, "steps", "tokens", "action"]),
+        format_rows(shown, ["run_id", *p.axes, "action", "steps", "tokens"]),
     ]
     budgets = sorted({(row["steps"], row["tokens"]) for row in rows})
     if len(budgets) == 1:
@@ -618,6 +691,12 @@ def describe_plan(p: Plan) -> str:
     from harness.sweeps.estimate import describe_costs
 
     lines.append(describe_costs(p.runs, pr))
+    if p.backfill:
+        loggers = sorted({r.cfg.train.logger for r in p.runs if r.run_id in p.backfill})
+        lines.append(
+            f"{len(p.backfill)} finished run(s) never sent their metrics to {' or '.join(loggers)}: "
+            "a submission sends them from each run's metrics.csv and config, training nothing again"
+        )
     if p.migrations:
         lines.append(
             f"{len(p.migrations)} run folder(s) of the earlier id scheme will be renamed on submission, "

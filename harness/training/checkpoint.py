@@ -22,8 +22,25 @@ from harness.errors import UsageError
 from harness.model.factory import build_model
 
 
+def check_not_sweep(path: Path) -> None:
+    """Refuse a sweep folder where a run is expected, naming the commands that evaluate its runs."""
+    record = path / "sweep.json"
+    if not (path.is_dir() and record.is_file()):
+        return
+    try:
+        grid = (rundir.read_sweep_record(path) or {}).get("grid") or "GRID"
+    except UsageError:
+        grid = "GRID"
+    raise UsageError(
+        f"{str(path)!r} is a sweep folder, not a run: evaluate all its runs with "
+        f"`depthmem sweep {grid} eval.tasks=[TASK,...]`, or one of them with "
+        f"`depthmem eval {path}/RUN_ID --tasks TASK,...` (`depthmem status {path}` lists the run ids)."
+    )
+
+
 def _locate(path: Path) -> tuple[Path, Path | None]:
     """(checkpoint file, run directory or None) for a run directory or a checkpoint path."""
+    check_not_sweep(path)
     if path.is_dir():
         ckpt = path / "ckpt" / "last.ckpt"
         if not ckpt.is_file():
