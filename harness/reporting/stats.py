@@ -1,7 +1,9 @@
 """Intervals for the report: a mean over seeds, and the difference between two variants.
 
-Seeds are shared across the variants of a grid (seed ``s`` gives every variant the same data order and the same
-initial embedding), so the honest interval for a difference uses the per-seed differences (paired t). Welch's
+Seeds are shared across the variants of a grid: seed ``s`` gives every variant the same data order and the same
+initial decoder weights (embedding, attention, MLPs; ``harness.model.factory`` draws a mixer's own weights from a
+separate stream, and ``preln(match=...)`` keeps PreLN's weights with MLP units appended), so the honest interval
+for a difference uses the per-seed differences (paired t). Welch's
 interval is for variants whose runs do not share seeds; with one value on either side there is no interval.
 """
 
