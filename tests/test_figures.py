@@ -216,14 +216,50 @@ def test_frontier_fit_recovers_a_known_power_law_and_multiplier(tmp_path, rng_se
     assert np.allclose(points["flops"], hand, rtol=1e-12)
 
 
-def test_compute_multiplier_bootstrap_over_seeds(study):
+def test_compute_multiplier_interval_with_few_seeds_comes_from_the_fit(study):
     result = fr.from_sweep(study["sweep"], "preln", resamples=400)
     rows = result.multipliers
     overall = rows[rows["params"].isna()].set_index("variant").loc["ldm-rls"]
     # Noise of 0.2% in the loss moves the multiplier by about 0.002 / B = 2.5% in log space.
     assert overall["multiplier"] == pytest.approx(MULTIPLIER, rel=0.1)
     assert overall["low"] < overall["multiplier"] < overall["high"]
-    assert overall["seeds"] == len(SEEDS)
+    assert overall["seeds"] == len(SEEDS) < fr.MIN_BOOTSTRAP_SEEDS
+    assert set(rows["interval"]) == {"fit"}
+    # The interval against an independent computation: scipy's regression standard errors, a numerical
+    # gradient, and each cell's seed variance.
+    pts = result.points
+    ref = pts[pts["variant"] == "preln"].groupby("size").agg(c=("flops", "mean"), l=("loss", "mean"))
+    x, y = np.log(ref["c"].to_numpy()), np.log(ref["l"].to_numpy())
+    fit = stats.linregress(x, y)
+    cov = np.array(
+        [
+            [fit.intercept_stderr**2, -x.mean() * fit.stderr**2],
+            [-x.mean() * fit.stderr**2, fit.stderr**2],
+        ]
+    )
+    mine = pts[pts["variant"] == "ldm-rls"].groupby("size")["loss"]
+    yv, xv = (
+        np.log(mine.mean().to_numpy()),
+        np.log(pts[pts["variant"] == "ldm-rls"].groupby("size")["flops"].mean().to_numpy()),
+    )
+
+    def log_multiplier(b0, b1):
+        return np.mean((yv - b0) / b1 - xv)
+
+    h = 1e-6
+    grad = np.array(
+        [
+            (log_multiplier(fit.intercept + h, fit.slope) - log_multiplier(fit.intercept - h, fit.slope)) / (2 * h),
+            (log_multiplier(fit.intercept, fit.slope + h) - log_multiplier(fit.intercept, fit.slope - h)) / (2 * h),
+        ]
+    )
+    var_y = np.sum(mine.var(ddof=1).to_numpy() / mine.count().to_numpy() / mine.mean().to_numpy() ** 2)
+    var = grad @ cov @ grad + var_y / (fit.slope**2 * len(yv) ** 2)
+    half = stats.t.ppf(0.975, len(x) - 2) * math.sqrt(var)
+    centre = log_multiplier(fit.intercept, fit.slope)
+    assert (math.log(overall["low"]), math.log(overall["high"])) == pytest.approx(
+        (centre - half, centre + half), rel=1e-6
+    )
     # The point estimate against an independent computation: numpy's fit of the baseline means, inverted.
     pts = result.points
     ref = pts[pts["variant"] == "preln"].groupby("size").agg(c=("flops", "mean"), l=("loss", "mean"))
@@ -233,6 +269,34 @@ def test_compute_multiplier_bootstrap_over_seeds(study):
     assert overall["multiplier"] == pytest.approx(math.exp(np.mean(np.log(need / mine["c"]))), rel=1e-9)
     table = Context(study["sweep"]).table("compute_multiplier")
     assert "× [" in table.display["Compute multiplier (95% CI)"].iloc[-1]
+    assert table.display["Interval"].iloc[-1] == "fit" and any(n.startswith("Interval fit") for n in table.notes)
+
+
+def test_compute_multiplier_bootstraps_only_with_five_seeds(rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    rows = []
+    for seeds in ((0, 1, 2, 3, 4), (0, 1, 2, 3)):
+        for variant, factor in (("preln", 1.0), ("ldm-rls", MULTIPLIER)):
+            for size, flops in enumerate((1e12, 4e12, 1.6e13)):
+                for s in seeds:
+                    loss = A * (factor * flops) ** (-B) * math.exp(rng.normal(0, 0.002))
+                    rows.append(
+                        {
+                            "variant": variant,
+                            "size": str(size),
+                            "setting": "",
+                            "params": 1e6 * (size + 1),
+                            "flops": flops,
+                            "seed": s,
+                            "loss": loss,
+                            "tokens_per_param": 20.0,
+                        }
+                    )
+        result = fr.analyse(pd.DataFrame(rows), "preln", resamples=300)
+        expected = "bootstrap" if len(seeds) >= fr.MIN_BOOTSTRAP_SEEDS else "fit"
+        assert set(result.multipliers["interval"]) == {expected}
+        assert (result.multipliers["low"] < result.multipliers["high"]).all()
+        rows = []
 
 
 def test_frontier_figure_is_log_log_with_one_fit_per_variant(study):
@@ -353,7 +417,7 @@ def test_palette_is_fixed_by_registry_order():
     assert len(set(many.values())) == len(many)
 
 
-def test_downstream_intervals_use_seeds_or_stderr(study, tmp_path, rng_seed):
+def test_downstream_intervals_combine_seeds_and_item_error(study, tmp_path, rng_seed):
     data = Context(study["sweep"]).table("downstream").data.set_index("variant")
     runs = [
         r
@@ -361,9 +425,12 @@ def test_downstream_intervals_use_seeds_or_stderr(study, tmp_path, rng_seed):
         if r.variant == "preln" and r.axes["d_model"] == 64 and r.axes["n_blocks"] == 2
     ]
     values = [float(r.eval["value"].iloc[0]) for r in runs]
+    errors = np.array([float(r.eval["stderr"].iloc[0]) for r in runs])
     main_row = data[(data["d_model"] == 64) & (data["n_blocks"] == 2)].loc["preln"]
-    half = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values))
-    assert main_row["copa_ci95"] == pytest.approx(half, rel=1e-9)
+    seeds = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values))
+    items = stats.norm.ppf(0.975) * math.sqrt(np.mean(errors**2))
+    assert main_row["copa_ci95"] == pytest.approx(math.hypot(seeds, items), rel=1e-9)
+    assert data.loc["chance", "copa"] == 0.5
     rng = np.random.default_rng(rng_seed)
     write_run(tmp_path / "one", "preln", 0, _model(64, 2), rng, noise=0.0, eval_stderr=0.05)
     one = Context(load_sweep(tmp_path)).table("downstream").data.iloc[0]

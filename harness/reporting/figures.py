@@ -797,9 +797,11 @@ def mixing_groups(ctx: Context) -> tuple[Figure, str]:
 
 @figure("downstream", needs="`eval/table.csv`")
 def downstream(ctx: Context) -> tuple[Figure, str]:
-    """Downstream accuracy per task and the task average, one panel each, with 95% intervals: over seeds, or
-    lm-eval's standard error for a single seed."""
-    data = ctx.table("downstream").data
+    """Downstream accuracy per task and the task average, one panel each, with 95% intervals (seed spread and
+    item error combined) and the accuracy of uniform guessing as a dashed line."""
+    table = ctx.table("downstream").data
+    data = table[table["variant"] != "chance"].reset_index(drop=True)
+    chance = table[table["variant"] == "chance"]
     tasks = [c[: -len("_ci95")] for c in data.columns if c.endswith("_ci95") and c != "average_ci95"]
     panels = [*tasks, "average"]
     labels = [f"{v} [{s}]" if s else v for s, v in zip(data["setting"], data["variant"])]
@@ -819,12 +821,16 @@ def downstream(ctx: Context) -> tuple[Figure, str]:
                 )
             ax.set_yticks(range(len(data)), labels if task == panels[0] else [""] * len(data))
             ax.invert_yaxis()
+            level = float(chance[task].iloc[0]) if len(chance) and task in chance else math.nan
+            if not math.isnan(level):
+                ax.axvline(100 * level, color="grey", linestyle="--", linewidth=1)
             low, high = ax.get_xlim()
             ax.set_xlim(max(low, 0.0), min(high, 100.0))  # an interval past 0% or 100% says nothing more
             ax.set(xlabel="accuracy (%)", title=task)
     caption = (
         "Downstream accuracy in percent (acc_norm where the task reports it, else acc) with its 95% interval: "
-        "the t-interval over seeds where a variant has two or more, else 1.96 × lm-eval's standard error."
+        "the t-interval over seeds and 1.96 × the runs' item standard error, added in quadrature (the item error "
+        "alone for a single seed). Dashed: the accuracy of guessing uniformly among the task's choices."
     )
     return _finish(fig), caption
 
