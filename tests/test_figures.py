@@ -522,3 +522,23 @@ def test_a_registered_item_without_data_says_why(tmp_path, rng_seed):
     assert (
         tables.column_alignment(pd.DataFrame({"a": ["x", "y"], "b": ["1.0", "—"], "c": ["+0.1 ± 0.2", "-3"]})) == "lrr"
     )
+
+
+def test_frontier_compute_of_a_matched_preln_counts_its_widened_mlps(tmp_path, rng_seed):
+    import dataclasses
+
+    import torch
+
+    from harness.config import ModelConfig
+    from harness.model.factory import build_model
+
+    rng = np.random.default_rng(rng_seed)
+    model = _model(64, 2)
+    summary = write_run(tmp_path / "matched", "preln(match=ldm-rls)", 0, model, rng, noise=0.0)
+    run = load_sweep(tmp_path).runs[0]
+    with torch.device("meta"):
+        wide = build_model(ModelConfig(**model), "preln(match=ldm-rls)").cfg
+    assert wide.ffn_hidden > model["ffn_hidden"]
+    # By hand, as for every other run, at the widened MLP width: 6 d FLOPs per extra unit and block.
+    by_hand = _train_flops(dataclasses.asdict(wide), "preln", summary["train_tokens"]) / (3.0 * summary["train_tokens"])
+    assert fr.forward_flops_per_token(run) == pytest.approx(by_hand, rel=1e-12)

@@ -55,7 +55,8 @@ class Frontier:
 
 
 def forward_flops_per_token(run: Run) -> float | None:
-    """PreLN's forward FLOPs per token at the run's size and sequence length plus what its mixer adds."""
+    """PreLN's forward FLOPs per token at the run's size and sequence length plus what its mixer adds, and for
+    ``preln(match=...)`` what its widened MLPs add."""
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.model.costs import preln_flops_per_token
 
@@ -66,7 +67,27 @@ def forward_flops_per_token(run: Run) -> float | None:
     seq_len = int(run.config_value("train.seq_len", 0) or 0) or model.max_seq_len
     extra = (run.summary or {}).get("extra_flops_per_token")
     extra = float(extra) if isinstance(extra, (int, float)) and math.isfinite(extra) else 0.0
-    return float(preln_flops_per_token(model, seq_len)) + extra
+    widened = _widened_flops(model, str(run.config.get("variant")))
+    return None if widened is None else float(preln_flops_per_token(model, seq_len)) + extra + widened
+
+
+def _widened_flops(model: ModelConfig, variant: str) -> float | None:
+    """Forward FLOPs per token that a parameter-matched PreLN's wider MLPs add (0 for every other variant; None
+    when the variant does not build at this size, so the run is left out of the frontier and named)."""
+    if "match=" not in variant:
+        return 0.0
+    import torch
+
+    import variants
+    from harness.errors import UsageError
+    from harness.model.costs import matched_width_cost
+
+    try:
+        with torch.device("meta"):  # shapes only
+            mixer = variants.build(variant, d_model=model.d_model, n_layers=model.n_layers)
+        return float(matched_width_cost(model, mixer)[1])
+    except (UsageError, ValueError):
+        return None
 
 
 def training_tokens(run: Run) -> float | None:
