@@ -719,8 +719,12 @@ def compute_multiplier_table(ctx: Context) -> Table:
             f"Interval fit: with fewer than {frontier.MIN_BOOTSTRAP_SEEDS} seeds a bootstrap has too few distinct "
             f"resamples, so the interval is the delta method on the log multiplier with the covariance of "
             f"{result.baseline}'s least-squares fit (Student t with sizes − 2 degrees of freedom) and the variance "
-            "of the row's mean log loss over its seeds; fit, one seed: the row has a single seed, so only the "
-            "fit's uncertainty is in it."
+            "of the row's mean log loss over its seeds"
+            + (
+                "; fit, one seed: the row has a single seed, so only the fit's uncertainty is in it."
+                if "fit, one seed" in kinds
+                else "."
+            )
         )
     if "" in kinds:
         notes.append("Interval none: the fit gives no finite interval for these rows.")
