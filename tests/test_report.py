@@ -575,6 +575,8 @@ def test_a_non_finite_final_loss_is_a_divergence_of_its_variant(tmp_path, rng_se
     row = _row(table.data, "ldm-rls")
     assert row["seeds"] == 1 and row["diverged"] == 1
     assert table.display.set_index("Variant").loc["ldm-rls", "Failed runs"] == "1 diverged"
+    listed = tables.runs_table(Context(sweep)).display
+    assert list(listed["Message"]) == ["finished with a non-finite final validation loss (diverged)"]
 
 
 def test_downstream_intervals_keep_the_item_error_and_show_chance(tmp_path, rng_seed):

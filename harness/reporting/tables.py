@@ -768,7 +768,9 @@ def runs_table(ctx: Context) -> Table:
         raise NoData("every run finished and counts")
     for run in ctx.sweep.excluded():
         reason = run.message
-        if run.state == "done":
+        if run.state == "done" and failures([run]):
+            reason = reason or "finished with a non-finite final validation loss (diverged)"
+        elif run.state == "done":
             reason = reason or "finished without a readable final validation loss in summary.json"
         data.append(
             {
