@@ -1,6 +1,7 @@
 """The report's intervals against scipy's own tests and closed forms."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -61,6 +62,15 @@ def test_p_values_are_scipys_paired_and_welch_tests():
     w = compare(ref, far)
     assert w.p == pytest.approx(sps.ttest_ind(list(far.values()), list(ref.values()), equal_var=False).pvalue)
     assert w.pairs == 0 and not w.partial
+
+
+def test_p_value_without_spread_follows_scipy():
+    for ref, other in (({0: 1.0, 1: 2.0, 2: 3.0}, {0: 1.5, 1: 2.5, 2: 3.5}), ({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # scipy warns that the data have no spread
+            expected = sps.ttest_rel(list(other.values()), list(ref.values())).pvalue
+        got = compare(ref, other).p
+        assert (math.isnan(got) and math.isnan(expected)) or got == expected
 
 
 def test_partly_shared_seeds_are_paired_on_the_shared_ones_and_flagged():

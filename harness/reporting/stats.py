@@ -106,8 +106,9 @@ def compare(reference: Mapping[int, float], other: Mapping[int, float], level: f
 def _t_p(estimate: float, se: float, dof: float) -> float:
     """Two-sided p-value of ``estimate / se`` under Student's t with ``dof`` degrees of freedom."""
     if se == 0:
-        # Every pair moved by the same amount: no spread to test against (scipy returns NaN here as well).
-        return math.nan
+        # No spread: any difference at all is infinitely many standard errors away (as scipy's t-tests say),
+        # and none is no evidence either way.
+        return math.nan if estimate == 0 else 0.0
     return float(2 * stats.t.sf(abs(estimate / se), dof))
 
 
