@@ -371,6 +371,30 @@ def test_lambda_and_omega_figures_average_seeds_on_one_scale(study):
     assert np.allclose(line.get_ydata(), means, rtol=1e-12)
 
 
+def test_lambda_seeds_figure_draws_every_seed_and_how_far_lambda_moved(study):
+    fig, caption = figs.lambda_seeds(_ctx(study))
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    runs = sorted(
+        (
+            r
+            for r in study["sweep"].finished()
+            if r.variant == "ldm-rls" and r.axes["d_model"] == 64 and r.axes["n_blocks"] == 2
+        ),
+        key=lambda r: r.seed,
+    )
+    lines = [line for line in panels["ldm-rls"].get_lines() if line.get_label().startswith("seed")]
+    assert [line.get_label() for line in lines] == [f"seed {r.seed}" for r in runs]
+    for line, run in zip(lines, runs):
+        assert np.allclose(line.get_ydata(), np.mean(run.summary["depth_memory"]["lambda"], axis=1), rtol=1e-12)
+    everything = [
+        np.asarray(r.summary["depth_memory"]["lambda"])
+        for r in study["sweep"].finished()
+        if r.summary.get("depth_memory") and r.axes["d_model"] == 64 and r.axes["n_blocks"] == 2
+    ]
+    moved = max(float(np.abs(m - 0.99).max()) for m in everything)
+    assert f"The largest distance from it in any run, layer and group: {moved:.3g}." in caption
+
+
 def test_per_group_mixing_shares_one_colour_scale(study):
     fig, _ = figs.mixing_groups(_ctx(study))
     images = [ax.images[0] for ax in fig.axes if ax.images]

@@ -339,7 +339,7 @@ def test_aggregate_is_one_tidy_row_per_run_step_metric(sweep_tree):
 
 
 # Figures this tree has no data for (no numeric axis, no sizes, no depth memory): tests/test_figures.py draws them.
-NOT_HERE = {"hyperparameters", "depth", "frontier", "lambda", "omega"}
+NOT_HERE = {"hyperparameters", "depth", "frontier", "lambda", "lambda_seeds", "omega"}
 
 
 def test_every_figure_is_written_with_its_panels(sweep_tree):

@@ -574,6 +574,41 @@ def learned_lambda(ctx: Context) -> tuple[Figure, str]:
     return fig, caption
 
 
+@figure("lambda_seeds", needs="`depth_memory.lambda` in `summary.json` (LDM-RLS runs)")
+def lambda_seeds(ctx: Context) -> tuple[Figure, str]:
+    """How far λ moved, seed by seed: λ per layer (mean over memory groups), one line per seed, the band from the
+    smallest to the largest value over seeds and groups, and the value every learned λ starts from."""
+    from variants.rls import LAMBDA_INIT  # imported here: it loads torch
+
+    by_variant, note = _depth_memory_runs(ctx, "lambda")
+    order = variant_order(by_variant, ctx.ablation_reference)
+    stacks = {}
+    for variant in order:
+        pairs = [(r.seed, np.asarray(r.summary["depth_memory"]["lambda"], dtype=float)) for r in by_variant[variant]]
+        # Runs of another shape than the first are left out, as in the heatmap of the lambda figure.
+        pairs = [(seed, m) for seed, m in pairs if m.ndim == 2 and m.shape == pairs[0][1].shape]
+        stacks[variant] = (np.stack([m for _, m in pairs]), [seed for seed, _ in pairs])
+    fig, axes = _figure(len(order), ncols=min(len(order), 4), panel_size=(3.8, 3.0))
+    moved = 0.0
+    for ax, variant in zip(axes, order):
+        stack, seeds = stacks[variant]  # (seeds, layers, groups)
+        layers = np.arange(stack.shape[1])
+        ax.fill_between(layers, stack.min(axis=(0, 2)), stack.max(axis=(0, 2)), alpha=0.2, color="grey", linewidth=0)
+        for seed, per_seed in zip(seeds, stack.mean(axis=2)):
+            ax.plot(layers, per_seed, marker="o", markersize=3, linewidth=1, label=f"seed {seed}")
+        ax.axhline(LAMBDA_INIT, color="grey", linestyle="--", linewidth=1)
+        ax.set(xlabel="layer", ylabel="λ", title=variant)
+        ax.ticklabel_format(axis="y", useOffset=False)
+        moved = max(moved, float(np.abs(stack - LAMBDA_INIT).max()))
+    _shared_legend(fig, axes)
+    caption = (
+        f"Learned forgetting factor λ per layer at the last validation, mean over memory groups, one line per seed; "
+        f"band: smallest to largest over seeds and groups; dashed: λ = {LAMBDA_INIT:g}, where every learned λ "
+        f"starts. The largest distance from it in any run, layer and group: {moved:.3g}." + note
+    )
+    return fig, caption
+
+
 @figure("omega", needs="`depth_memory.omega` in `summary.json` (LDM-RLS runs)")
 def omega_profile(ctx: Context) -> tuple[Figure, str]:
     """The importance weight ω per layer: the mean over tokens (line, averaged over seeds), ± its standard
