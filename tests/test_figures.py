@@ -386,11 +386,15 @@ def test_lambda_seeds_figure_draws_every_seed_and_how_far_lambda_moved(study):
     assert [line.get_label() for line in lines] == [f"seed {r.seed}" for r in runs]
     for line, run in zip(lines, runs):
         assert np.allclose(line.get_ydata(), np.mean(run.summary["depth_memory"]["lambda"], axis=1), rtol=1e-12)
-    everything = [
-        np.asarray(r.summary["depth_memory"]["lambda"])
+    learned = [
+        r
         for r in study["sweep"].finished()
         if r.summary.get("depth_memory") and r.axes["d_model"] == 64 and r.axes["n_blocks"] == 2
+        if r.knob_values.get("lambda") == "learned"
     ]
+    # A fixed λ has nothing to learn and gets no panel.
+    assert set(panels) == {r.variant for r in learned} and "ldm-rls(lambda=1.0)" not in panels
+    everything = [np.asarray(r.summary["depth_memory"]["lambda"]) for r in learned]
     moved = max(float(np.abs(m - 0.99).max()) for m in everything)
     assert f"The largest distance from it in any run, layer and group: {moved:.3g}." in caption
 

@@ -574,13 +574,19 @@ def learned_lambda(ctx: Context) -> tuple[Figure, str]:
     return fig, caption
 
 
-@figure("lambda_seeds", needs="`depth_memory.lambda` in `summary.json` (LDM-RLS runs)")
+@figure("lambda_seeds", needs="`depth_memory.lambda` in `summary.json` (LDM-RLS runs that learn λ)")
 def lambda_seeds(ctx: Context) -> tuple[Figure, str]:
     """How far λ moved, seed by seed: λ per layer (mean over memory groups), one line per seed, the band from the
     smallest to the largest value over seeds and groups, and the value every learned λ starts from."""
     from variants.rls import LAMBDA_INIT  # imported here: it loads torch
 
     by_variant, note = _depth_memory_runs(ctx, "lambda")
+    # A fixed λ records its constant: only learned ones can have moved.
+    by_variant = {
+        v: runs for v, runs in by_variant.items() if all(r.knob_values.get("lambda") == "learned" for r in runs)
+    }
+    if not by_variant:
+        raise NoData("no finished run learns λ (every one fixes it with a lambda knob)")
     order = variant_order(by_variant, ctx.ablation_reference)
     stacks = {}
     for variant in order:
