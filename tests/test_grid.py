@@ -219,6 +219,10 @@ def test_paper_headline_rows_have_five_seeds_and_ablations_three():
     for name in headline:
         assert seeds[variants.canonical(name)] == {0, 1, 2, 3, 4}, name
     assert all(s == {0, 1, 2} for v, s in seeds.items() if v not in {variants.canonical(h) for h in headline})
+    # Downstream scores on whole validation splits: a limit would leave COPA or PIQA at chance by sample size alone.
+    assert {r.cfg.eval.limit for r in paper.runs} == {None} and {tuple(r.cfg.eval.tasks) for r in paper.runs} == {
+        ("offline",)
+    }
 
 
 def test_paper_matches_every_variant_with_more_than_one_percent_extra_parameters():
