@@ -70,11 +70,12 @@ def failures_text(counts: dict[str, int]) -> str:
 
 
 def fmt_p(p: float) -> str:
-    """``0.0123 *`` (significant at 5%), ``0.21``, ``<0.0001 *``; ``—`` without a test."""
+    """Two significant digits, ``*`` below the significance level: ``0.012 *``, ``0.21``, ``<0.0001 *``; ``—``
+    without a test."""
     if math.isnan(p):
         return "—"
     mark = " *" if p < SIGNIFICANCE else ""
-    return ("<0.0001" if p < 1e-4 else f"{p:.2g}" if p >= 0.01 else f"{p:.1e}") + mark
+    return ("<0.0001" if p < 1e-4 else f"{p:.2g}") + mark
 
 
 def train_tokens(run: Run) -> int | None:
