@@ -51,7 +51,9 @@ def _derived_seed(purpose: str) -> int:
 def _side_stream(seed: int):
     """Draws inside come from a generator seeded with ``seed``; the caller's generators are left as they were."""
     default = torch.get_default_device()
-    cuda = [default.index or 0] if default.type == "cuda" else []
+    cuda = []
+    if default.type == "cuda":  # weights made directly on the card draw from its generator
+        cuda = [default.index if default.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=cuda):
         torch.default_generator.manual_seed(seed)
         for index in cuda:
