@@ -34,6 +34,24 @@ def test_preln_run_cost_matches_counted_flops_and_parameters():
     assert cost["gpu_hours"] == pytest.approx(cost["train_flops"] / (0.5 * 100e12) / 3600, rel=1e-12)
 
 
+def test_a_matched_preln_counts_its_widened_mlps():
+    base = {"model": {"preset": "tiny"}, "train": {"max_steps": 10, "batch_size": 8}}
+    cfg = build_config({**base, "variant": "preln(match=ldm-rls)"})
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.variant)
+    assert model.cfg.ffn_hidden > cfg.model.ffn_hidden
+    seq = cfg.model.max_seq_len
+    idx = torch.randint(0, cfg.model.vocab_size, (1, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(idx)
+    counted = counter.get_total_flops() + cfg.model.n_blocks * 4 * seq * seq * cfg.model.d_model
+    cost = run_cost(cfg, peak_tflops=100.0, utilisation=0.5)
+    assert cost["params"] == model.num_params()
+    assert cost["train_flops"] == 3 * counted / seq * cost["tokens"]
+    plain = run_cost(build_config(base), peak_tflops=100.0, utilisation=0.5)
+    assert cost["train_flops"] > plain["train_flops"]
+
+
 def test_a_mixer_adds_its_flops_and_parameters():
     base = {"model": {"preset": "tiny"}, "train": {"max_steps": 10, "batch_size": 8}}
     preln = run_cost(build_config(base), peak_tflops=312, utilisation=0.4)

@@ -216,14 +216,50 @@ def test_frontier_fit_recovers_a_known_power_law_and_multiplier(tmp_path, rng_se
     assert np.allclose(points["flops"], hand, rtol=1e-12)
 
 
-def test_compute_multiplier_bootstrap_over_seeds(study):
+def test_compute_multiplier_interval_with_few_seeds_comes_from_the_fit(study):
     result = fr.from_sweep(study["sweep"], "preln", resamples=400)
     rows = result.multipliers
     overall = rows[rows["params"].isna()].set_index("variant").loc["ldm-rls"]
     # Noise of 0.2% in the loss moves the multiplier by about 0.002 / B = 2.5% in log space.
     assert overall["multiplier"] == pytest.approx(MULTIPLIER, rel=0.1)
     assert overall["low"] < overall["multiplier"] < overall["high"]
-    assert overall["seeds"] == len(SEEDS)
+    assert overall["seeds"] == len(SEEDS) < fr.MIN_BOOTSTRAP_SEEDS
+    assert set(rows["interval"]) == {"fit"}
+    # The interval against an independent computation: scipy's regression standard errors, a numerical
+    # gradient, and each cell's seed variance.
+    pts = result.points
+    ref = pts[pts["variant"] == "preln"].groupby("size").agg(c=("flops", "mean"), l=("loss", "mean"))
+    x, y = np.log(ref["c"].to_numpy()), np.log(ref["l"].to_numpy())
+    fit = stats.linregress(x, y)
+    cov = np.array(
+        [
+            [fit.intercept_stderr**2, -x.mean() * fit.stderr**2],
+            [-x.mean() * fit.stderr**2, fit.stderr**2],
+        ]
+    )
+    mine = pts[pts["variant"] == "ldm-rls"].groupby("size")["loss"]
+    yv, xv = (
+        np.log(mine.mean().to_numpy()),
+        np.log(pts[pts["variant"] == "ldm-rls"].groupby("size")["flops"].mean().to_numpy()),
+    )
+
+    def log_multiplier(b0, b1):
+        return np.mean((yv - b0) / b1 - xv)
+
+    h = 1e-6
+    grad = np.array(
+        [
+            (log_multiplier(fit.intercept + h, fit.slope) - log_multiplier(fit.intercept - h, fit.slope)) / (2 * h),
+            (log_multiplier(fit.intercept, fit.slope + h) - log_multiplier(fit.intercept, fit.slope - h)) / (2 * h),
+        ]
+    )
+    var_y = np.sum(mine.var(ddof=1).to_numpy() / mine.count().to_numpy() / mine.mean().to_numpy() ** 2)
+    var = grad @ cov @ grad + var_y / (fit.slope**2 * len(yv) ** 2)
+    half = stats.t.ppf(0.975, len(x) - 2) * math.sqrt(var)
+    centre = log_multiplier(fit.intercept, fit.slope)
+    assert (math.log(overall["low"]), math.log(overall["high"])) == pytest.approx(
+        (centre - half, centre + half), rel=1e-6
+    )
     # The point estimate against an independent computation: numpy's fit of the baseline means, inverted.
     pts = result.points
     ref = pts[pts["variant"] == "preln"].groupby("size").agg(c=("flops", "mean"), l=("loss", "mean"))
@@ -233,6 +269,34 @@ def test_compute_multiplier_bootstrap_over_seeds(study):
     assert overall["multiplier"] == pytest.approx(math.exp(np.mean(np.log(need / mine["c"]))), rel=1e-9)
     table = Context(study["sweep"]).table("compute_multiplier")
     assert "× [" in table.display["Compute multiplier (95% CI)"].iloc[-1]
+    assert table.display["Interval"].iloc[-1] == "fit" and any(n.startswith("Interval fit") for n in table.notes)
+
+
+def test_compute_multiplier_bootstraps_only_with_five_seeds(rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    rows = []
+    for seeds in ((0, 1, 2, 3, 4), (0, 1, 2, 3), (0,)):
+        for variant, factor in (("preln", 1.0), ("ldm-rls", MULTIPLIER)):
+            for size, flops in enumerate((1e12, 4e12, 1.6e13)):
+                for s in seeds:
+                    loss = A * (factor * flops) ** (-B) * math.exp(rng.normal(0, 0.002))
+                    rows.append(
+                        {
+                            "variant": variant,
+                            "size": str(size),
+                            "setting": "",
+                            "params": 1e6 * (size + 1),
+                            "flops": flops,
+                            "seed": s,
+                            "loss": loss,
+                            "tokens_per_param": 20.0,
+                        }
+                    )
+        result = fr.analyse(pd.DataFrame(rows), "preln", resamples=300)
+        expected = "bootstrap" if len(seeds) >= fr.MIN_BOOTSTRAP_SEEDS else "fit" if len(seeds) > 1 else "fit, one seed"
+        assert set(result.multipliers["interval"]) == {expected}
+        assert (result.multipliers["low"] < result.multipliers["high"]).all()
+        rows = []
 
 
 def test_frontier_figure_is_log_log_with_one_fit_per_variant(study):
@@ -307,6 +371,34 @@ def test_lambda_and_omega_figures_average_seeds_on_one_scale(study):
     assert np.allclose(line.get_ydata(), means, rtol=1e-12)
 
 
+def test_lambda_seeds_figure_draws_every_seed_and_how_far_lambda_moved(study):
+    fig, caption = figs.lambda_seeds(_ctx(study))
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    runs = sorted(
+        (
+            r
+            for r in study["sweep"].finished()
+            if r.variant == "ldm-rls" and r.axes["d_model"] == 64 and r.axes["n_blocks"] == 2
+        ),
+        key=lambda r: r.seed,
+    )
+    lines = [line for line in panels["ldm-rls"].get_lines() if line.get_label().startswith("seed")]
+    assert [line.get_label() for line in lines] == [f"seed {r.seed}" for r in runs]
+    for line, run in zip(lines, runs):
+        assert np.allclose(line.get_ydata(), np.mean(run.summary["depth_memory"]["lambda"], axis=1), rtol=1e-12)
+    learned = [
+        r
+        for r in study["sweep"].finished()
+        if r.summary.get("depth_memory") and r.axes["d_model"] == 64 and r.axes["n_blocks"] == 2
+        if r.knob_values.get("lambda") == "learned"
+    ]
+    # A fixed λ has nothing to learn and gets no panel.
+    assert set(panels) == {r.variant for r in learned} and "ldm-rls(lambda=1.0)" not in panels
+    everything = [np.asarray(r.summary["depth_memory"]["lambda"]) for r in learned]
+    moved = max(float(np.abs(m - 0.99).max()) for m in everything)
+    assert f"The largest distance from it in any run, layer and group: {moved:.3g}." in caption
+
+
 def test_per_group_mixing_shares_one_colour_scale(study):
     fig, _ = figs.mixing_groups(_ctx(study))
     images = [ax.images[0] for ax in fig.axes if ax.images]
@@ -353,7 +445,7 @@ def test_palette_is_fixed_by_registry_order():
     assert len(set(many.values())) == len(many)
 
 
-def test_downstream_intervals_use_seeds_or_stderr(study, tmp_path, rng_seed):
+def test_downstream_intervals_combine_seeds_and_item_error(study, tmp_path, rng_seed):
     data = Context(study["sweep"]).table("downstream").data.set_index("variant")
     runs = [
         r
@@ -361,9 +453,12 @@ def test_downstream_intervals_use_seeds_or_stderr(study, tmp_path, rng_seed):
         if r.variant == "preln" and r.axes["d_model"] == 64 and r.axes["n_blocks"] == 2
     ]
     values = [float(r.eval["value"].iloc[0]) for r in runs]
+    errors = np.array([float(r.eval["stderr"].iloc[0]) for r in runs])
     main_row = data[(data["d_model"] == 64) & (data["n_blocks"] == 2)].loc["preln"]
-    half = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values))
-    assert main_row["copa_ci95"] == pytest.approx(half, rel=1e-9)
+    seeds = stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values))
+    items = stats.norm.ppf(0.975) * math.sqrt(np.mean(errors**2))
+    assert main_row["copa_ci95"] == pytest.approx(math.hypot(seeds, items), rel=1e-9)
+    assert data.loc["chance", "copa"] == 0.5
     rng = np.random.default_rng(rng_seed)
     write_run(tmp_path / "one", "preln", 0, _model(64, 2), rng, noise=0.0, eval_stderr=0.05)
     one = Context(load_sweep(tmp_path)).table("downstream").data.iloc[0]
@@ -455,3 +550,23 @@ def test_a_registered_item_without_data_says_why(tmp_path, rng_seed):
     assert (
         tables.column_alignment(pd.DataFrame({"a": ["x", "y"], "b": ["1.0", "—"], "c": ["+0.1 ± 0.2", "-3"]})) == "lrr"
     )
+
+
+def test_frontier_compute_of_a_matched_preln_counts_its_widened_mlps(tmp_path, rng_seed):
+    import dataclasses
+
+    import torch
+
+    from harness.config import ModelConfig
+    from harness.model.factory import build_model
+
+    rng = np.random.default_rng(rng_seed)
+    model = _model(64, 2)
+    summary = write_run(tmp_path / "matched", "preln(match=ldm-rls)", 0, model, rng, noise=0.0)
+    run = load_sweep(tmp_path).runs[0]
+    with torch.device("meta"):
+        wide = build_model(ModelConfig(**model), "preln(match=ldm-rls)").cfg
+    assert wide.ffn_hidden > model["ffn_hidden"]
+    # By hand, as for every other run, at the widened MLP width: 6 d FLOPs per extra unit and block.
+    by_hand = _train_flops(dataclasses.asdict(wide), "preln", summary["train_tokens"]) / (3.0 * summary["train_tokens"])
+    assert fr.forward_flops_per_token(run) == pytest.approx(by_hand, rel=1e-12)

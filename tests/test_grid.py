@@ -201,10 +201,76 @@ def test_experiment_files_expand():
         "ldm-rls(groups=1,key_dim=48)",
         "ldm-rls(groups=64,key_dim=48)",
         "preln(match=ldm-rls)",
+        # the controls that take residual_write=off's two changes apart
+        "ldm-rls(residual_write=off,qk_source=residual)",
+        "ldm-rls(qk_source=read)",
     ):
         assert name in variants_run
-    assert {r.cfg.train.seed for r in paper.runs} == {0, 1, 2}
     assert {r.cfg.model.preset for r in paper.runs} == {"gpt2-small"}
+
+
+def test_paper_headline_rows_have_five_seeds_and_ablations_three():
+    import variants
+
+    paper = plan(ROOT / "experiments" / "paper.yaml", root="/nonexistent-results")
+    seeds: dict[str, set[int]] = {}
+    for r in paper.runs:
+        seeds.setdefault(variants.canonical(r.cfg.variant), set()).add(r.cfg.train.seed)
+    headline = [*variants.names(), "preln(match=ldm-rls)", "preln(match=ldm)", "preln(match=mhc)"]
+    for name in headline:
+        assert seeds[variants.canonical(name)] == {0, 1, 2, 3, 4}, name
+    assert all(s == {0, 1, 2} for v, s in seeds.items() if v not in {variants.canonical(h) for h in headline})
+    # Downstream scores on whole validation splits: a limit would leave COPA or PIQA at chance by sample size alone.
+    assert {r.cfg.eval.limit for r in paper.runs} == {None} and {tuple(r.cfg.eval.tasks) for r in paper.runs} == {
+        ("offline",)
+    }
+
+
+def test_paper_matches_every_variant_with_more_than_one_percent_extra_parameters():
+    """Each variant of the paper grid that adds over 1% of PreLN's parameters has a parameter-matched PreLN in
+    the grid within 0.5% of its own count."""
+    import torch
+
+    from harness.config import model_preset
+    from harness.model.factory import build_model
+
+    paper = plan(ROOT / "experiments" / "paper.yaml", root="/nonexistent-results")
+    size = model_preset("gpt2-small")
+    with torch.device("meta"):
+        count = {v: build_model(size, v).num_params() for v in {r.cfg.variant for r in paper.runs}}
+    preln = count["preln"]
+    matched = [n for v, n in count.items() if v.startswith("preln(match=")]
+    heavy = [v for v, n in count.items() if not v.startswith("preln") and n > 1.01 * preln]
+    assert len(heavy) > 20
+    for v in heavy:
+        assert min(abs(m - count[v]) for m in matched) <= 0.005 * count[v], v
+
+
+def test_exclude_lists_match_any_value_and_refuse_values_no_run_has():
+    grid = grid_of(
+        {
+            "base": BASE,
+            "axes": {"variant": ["preln", "ldm", "ldm-rls(groups=4)"], "train.seed": [0, 1, 2]},
+            "exclude": [{"variant": ["ldm", "ldm-rls(groups=4,omega=on)"], "train.seed": [1, 2]}],
+        }
+    )
+    got = {(r.cfg.variant, r.cfg.train.seed) for r in expand(grid)}
+    assert got == {("preln", 0), ("preln", 1), ("preln", 2), ("ldm", 0), ("ldm-rls(groups=4)", 0)}
+    msg = expect_error(
+        "not one of its values",
+        grid_of,
+        {"base": BASE, "axes": {"variant": ["preln", "ldm"]}, "exclude": [{"variant": ["ldm", "ldm-rsl"]}]},
+    )
+    assert "'ldm-rsl'" in msg and "allowed: preln, ldm" in msg
+    # An axis whose values are lists themselves: an exclude of one such value is that value, not a choice.
+    tasks = grid_of(
+        {
+            "base": BASE,
+            "axes": {"eval.tasks": [["offline_copa"], ["offline_piqa"]]},
+            "exclude": [{"eval.tasks": ["offline_copa"]}],
+        }
+    )
+    assert combinations(tasks) == [{"eval.tasks": ["offline_piqa"]}]
 
 
 def test_paper_dry_run_warns_about_the_missing_corpus_and_submission_refuses(capsys):

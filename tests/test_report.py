@@ -198,7 +198,8 @@ def test_main_table_differences_are_paired_on_shared_seeds_else_welch_as_scipy_c
     assert row["delta"] == pytest.approx(x.mean() - np.mean(list(base.values())), rel=1e-12)
     assert row["delta_ci95"] == pytest.approx((welch.high - welch.low) / 2, rel=1e-9)
     text = sweep_tree["report"].read_text()
-    assert "(paired t)" in text and "(Welch)" in text and "Every run trained on 40.00K tokens." in text
+    assert "(paired t, 3 pairs)" in text and "(Welch, 3 vs 3 runs)" in text
+    assert "Every run trained on 40.00K tokens." in text
 
 
 def test_main_table_means_and_cis_match_scipy(sweep_tree):
@@ -338,7 +339,7 @@ def test_aggregate_is_one_tidy_row_per_run_step_metric(sweep_tree):
 
 
 # Figures this tree has no data for (no numeric axis, no sizes, no depth memory): tests/test_figures.py draws them.
-NOT_HERE = {"hyperparameters", "depth", "frontier", "lambda", "omega"}
+NOT_HERE = {"hyperparameters", "depth", "frontier", "lambda", "lambda_seeds", "omega"}
 
 
 def test_every_figure_is_written_with_its_panels(sweep_tree):
@@ -457,7 +458,8 @@ def test_runs_of_different_budgets_are_never_compared(tmp_path, rng_seed):
     assert math.isnan(_row(table.data, "ldm-rls")["delta"]) and not math.isnan(_row(table.data, "ldm")["delta"])
     shown = table.display.set_index("Variant")
     assert (
-        shown.loc["ldm-rls", "Δ loss vs preln (95% CI, method)"] == "— (trained on 2.00K tokens, preln on 1.00K tokens)"
+        shown.loc["ldm-rls", "Δ loss vs preln (95% CI, method, pairs)"]
+        == "— (trained on 2.00K tokens, preln on 1.00K tokens)"
     )
     assert list(shown["Train tokens"]) == ["1.00K", "1.00K", "2.00K"]
     assert any("No Δ for ldm-rls" in n for n in table.notes)
@@ -485,3 +487,115 @@ def test_a_budget_varied_on_purpose_is_shown_and_compared_within_each_budget(tmp
     assert list(table.data["axis_train_tokens"]) == [1000, 1000, 3000, 3000]
     assert table.data["delta"].notna().all() and set(table.data["delta_method"]) == {"", "paired t"}
     assert any("training budget differs between rows" in n for n in table.notes)
+
+
+def _holm_by_definition(pvalues: list[float], alpha_grid) -> list[float]:
+    """Holm's adjusted p-values from the step-down procedure itself: the smallest level at which it rejects."""
+    m = len(pvalues)
+    adjusted = [1.0] * m
+    for alpha in sorted(alpha_grid, reverse=True):
+        order = sorted(range(m), key=lambda i: pvalues[i])
+        for j, i in enumerate(order):
+            if pvalues[i] > alpha / (m - j):
+                break
+            adjusted[i] = min(adjusted[i], alpha)
+    return adjusted
+
+
+def test_main_table_p_values_are_scipys_holm_adjusted_within_the_table(sweep_tree):
+    main = pd.read_csv(sweep_tree["out"] / "tables" / "main.csv")
+    base = _by_seed(sweep_tree, "preln")
+    raw = {}
+    for variant in ("ldm-rls", "ldm-rls(omega=off)", "ldm-rls(groups=4)"):
+        own = _by_seed(sweep_tree, variant)
+        shared = sorted(set(own) & set(base))
+        raw[variant] = stats.ttest_rel([own[s] for s in shared], [base[s] for s in shared]).pvalue
+    raw["denseformer"] = stats.ttest_ind(
+        _losses(sweep_tree, "denseformer"), list(base.values()), equal_var=False
+    ).pvalue
+    for variant, p in raw.items():
+        assert _row(main, variant)["delta_p"] == pytest.approx(p, rel=1e-9)
+    names = list(raw)
+    candidates = [p * k for p in raw.values() for k in range(1, len(raw) + 1)] + [1.0]
+    expected = dict(zip(names, _holm_by_definition([raw[n] for n in names], candidates)))
+    for variant in names:
+        assert _row(main, variant)["delta_p_holm"] == pytest.approx(min(1.0, expected[variant]), rel=1e-9)
+    # One-seed rows and the reference have no test, and so no place in the family.
+    assert math.isnan(_row(main, "attnres")["delta_p_holm"]) and math.isnan(_row(main, "preln")["delta_p_holm"])
+    assert f"adjusted over the {len(raw)} differences of this table" in sweep_tree["report"].read_text()
+
+
+def test_failed_and_diverged_runs_are_counted_per_variant(sweep_tree):
+    main = pd.read_csv(sweep_tree["out"] / "tables" / "main.csv")
+    assert (_row(main, "ldm")["diverged"], _row(main, "ldm")["failed"]) == (1, 0)
+    assert (_row(main, "hc")["diverged"], _row(main, "hc")["failed"]) == (0, 1)
+    assert _row(main, "preln")[["diverged", "failed"]].sum() == 0  # a running run is no failure
+    section = sweep_tree["report"].read_text().split("## Main comparison")[1].split("\n## ")[0]
+    assert "| 1 diverged " in section and "| 1 failed " in section
+
+
+def _small_sweep(root, rows, rng):
+    """Finished runs of (variant, seed, final loss or NaN, {task: (accuracy, stderr)})."""
+    for variant, seed, loss, scores in rows:
+        folder = root / variant / f"s{seed}"
+        summary = _write_run(folder, variant, seed, "done", "", rng)
+        summary["val_loss"] = loss
+        (folder / "summary.json").write_text(json.dumps(summary))
+        lines = ["task,metric,value,stderr"] + [f"{t},acc,{v},{e}" for t, (v, e) in scores.items()]
+        (folder / "eval" / "table.csv").write_text("\n".join(lines) + "\n")
+    return load_sweep(root)
+
+
+def test_partial_seed_overlap_shows_the_pairs_and_is_flagged(tmp_path, rng_seed):
+    from harness.reporting import tables
+
+    rng = np.random.default_rng(rng_seed)
+    losses = {("preln", s): 3.0 + 0.1 * s + rng.normal(0, 0.01) for s in (0, 1, 5)}
+    losses |= {("ldm-rls", s): 2.9 + 0.1 * s + rng.normal(0, 0.01) for s in (0, 1, 2)}
+    sweep = _small_sweep(tmp_path / "s", [(v, s, x, {}) for (v, s), x in losses.items()], rng)
+    table = tables.main_table(Context(sweep))
+    row = _row(table.data, "ldm-rls")
+    assert row["seeds"] == 3 and row["delta_pairs"] == 2 and row["delta_partial_seeds"]
+    d = [losses[("ldm-rls", s)] - losses[("preln", s)] for s in (0, 1)]
+    assert row["delta"] == pytest.approx(np.mean(d), rel=1e-12)
+    assert row["delta_p"] == pytest.approx(stats.ttest_1samp(d, 0.0).pvalue, rel=1e-9)
+    cell = table.display.set_index("Variant").loc["ldm-rls", "Δ loss vs preln (95% CI, method, pairs)"]
+    assert cell.endswith("(paired t, 2 pairs; seeds differ)")
+    assert any(n.startswith("Seeds differ for ldm-rls") for n in table.notes)
+
+
+def test_a_non_finite_final_loss_is_a_divergence_of_its_variant(tmp_path, rng_seed):
+    from harness.reporting import tables
+
+    rng = np.random.default_rng(rng_seed)
+    rows = [("preln", s, 3.0 + 0.01 * s, {}) for s in (0, 1)]
+    rows += [("ldm-rls", 0, 2.9, {}), ("ldm-rls", 1, float("nan"), {})]
+    sweep = _small_sweep(tmp_path / "s", rows, rng)
+    table = tables.main_table(Context(sweep))
+    row = _row(table.data, "ldm-rls")
+    assert row["seeds"] == 1 and row["diverged"] == 1
+    assert table.display.set_index("Variant").loc["ldm-rls", "Failed runs"] == "1 diverged"
+    listed = tables.runs_table(Context(sweep)).display
+    assert list(listed["Message"]) == ["finished with a non-finite final validation loss (diverged)"]
+
+
+def test_downstream_intervals_keep_the_item_error_and_show_chance(tmp_path, rng_seed):
+    from harness.reporting import tables
+
+    rng = np.random.default_rng(rng_seed)
+    # Two seeds that answer 20 documents alike: no seed spread, but each run's item error is 0.105.
+    rows = [("preln", s, 3.0 + 0.01 * s, {"offline_copa": (0.75, 0.105), "piqa": (0.6, 0.05)}) for s in (0, 1)]
+    piqa = rng.uniform(0.5, 0.7, 3)
+    rows += [("ldm-rls", s, 2.9, {"offline_copa": (0.5, 0.1), "piqa": (piqa[s], 0.05)}) for s in (0, 1, 2)]
+    table = tables.downstream_table(Context(_small_sweep(tmp_path / "s", rows, rng)))
+    z = stats.norm.ppf(0.975)
+    preln, ldm = _row(table.data, "preln"), _row(table.data, "ldm-rls")
+    assert preln["offline_copa_ci95"] == pytest.approx(z * 0.105, rel=1e-12)
+    assert table.display.set_index("Variant").loc["preln", "offline_copa"] == "75.0 ± 20.6"
+    seeds = (stats.t.interval(0.95, 2, loc=piqa.mean(), scale=stats.sem(piqa))[1] - piqa.mean()) ** 2
+    assert ldm["piqa_ci95"] == pytest.approx(math.sqrt(seeds + (z * 0.05) ** 2), rel=1e-9)
+    # The average's item error: the two tasks' errors in quadrature, over two tasks.
+    assert preln["average_ci95"] == pytest.approx(z * math.hypot(0.105, 0.05) / 2, rel=1e-9)
+    chance = table.display.set_index("Variant").loc["chance"]
+    assert (chance["offline_copa"], chance["piqa"], chance["Average"]) == ("50.0", "50.0", "50.0")
+    assert any("guessing uniformly" in n for n in table.notes)

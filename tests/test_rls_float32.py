@@ -1,7 +1,8 @@
 """LDM-RLS in float32 (the default dual form) against a float64 evaluation of the recursion (the recurrent
 reference), under strong forgetting: every memory read and the logits within 1e-4 relative, over a sampled stress
 grid that covers every value of each axis (fixed λ 0.5–1 and learned λ pushed to its bounds; 8, 24 and 48 layers;
-key widths 4–64; 1–64 groups; ω near both of its bounds; α 0.1 and 1); and under bf16 autocast, with the state in
+key widths 4–64; 1–64 groups; ω near both of its bounds; α 0.1 and 1), and with the key weights scaled far down or
+up at key widths down to 2; and under bf16 autocast, with the state in
 float32, within twice PreLN's own bf16 error on the same input, or within 1.25 times the float32 recursion's own
 where the math's sensitivity to bf16 inputs already exceeds that.
 
@@ -97,6 +98,28 @@ def test_float32_reads_and_logits_match_the_float64_recursion(layers, groups, ke
         lams = torch.stack([v for (key, _), v in trace.mixer.items() if key == "lambda"])
         assert lams.min() < 0.5001 and lams.max() > 0.9999
     assert sorted(got_reads) == sorted(want_reads) == list(range(1, layers + 1))
+    errors = {layer: _rel(got_reads[layer], want_reads[layer]) for layer in want_reads}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"memory read of reader {worst}: {errors[worst]:.1e}"
+    assert _rel(got_logits, want_logits) <= TOL
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e2])
+@pytest.mark.parametrize(
+    "layers, groups, key_dim, lam, alpha",
+    [(48, 32, 2, 0.9, 0.1), (24, 32, 2, 0.5, 1.0), (24, 16, 4, 0.7, 1.0), (8, 4, 16, "bounds", 1.0)],
+)
+def test_float32_matches_with_key_weights_scaled(layers, groups, key_dim, lam, alpha, scale, rng_seed):
+    """Keys from key-MLP output weights scaled by 1e-3 (every key close to its bias: near-duplicate directions, a
+    badly conditioned regression) or by 1e2 (the bias negligible), down to the narrowest key width allowed (2)."""
+    ref, fast = _models(layers, groups, key_dim, lam, alpha)
+    with torch.no_grad():
+        for model in (ref, fast):
+            for mlp in model.mixer.keys:
+                mlp.fc2.weight[: groups * key_dim].mul_(scale)
+    idx = torch.randint(0, VOCAB, (B, T))
+    want_logits, want_reads, _ = _run(ref, idx)
+    got_logits, got_reads, _ = _run(fast, idx)
     errors = {layer: _rel(got_reads[layer], want_reads[layer]) for layer in want_reads}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL, f"memory read of reader {worst}: {errors[worst]:.1e}"

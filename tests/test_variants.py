@@ -161,6 +161,10 @@ def test_ldm_knob_grid_builds_and_runs(spec, rng_seed):
         ("ldm(read=residual,key_dim=8)", ["key_dim=8", "key_dim at 0"]),
         ("ldm-rls(read=residual,lambda=0.9)", ["lambda=0.9", "lambda at learned"]),
         ("ldm-rls(read=residual,omega=off)", ["omega=off", "omega at on"]),
+        # a key width of one: a sign, not a direction
+        ("ldm(key_dim=1)", ["key_dim=1", "only a sign", "key_dim=0", "≥ 2"]),
+        ("ldm-rls(groups=64)", ["groups=64", "width 1", "1, 2, 4, 8, 16, 32", "key_dim ≥ 2"]),
+        ("ldm-rls(groups=64,omega=off)", ["groups=64", "only a sign"]),
     ],
 )
 def test_bad_names_and_values_raise_one_sentence(spec, expected):
@@ -246,7 +250,7 @@ def test_canonical_names_write_out_a_default_that_follows_another_knob():
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "gpt2-small"])
-@pytest.mark.parametrize("target", ["ldm-rls", "ldm-rls(groups=64,omega=off)", "mhc", "attnres", "denseformer"])
+@pytest.mark.parametrize("target", ["ldm-rls", "ldm-rls(groups=32,omega=off)", "mhc", "attnres", "denseformer"])
 def test_parameter_matched_preln_is_within_half_a_percent(preset, target):
     size = model_preset(preset)
     with torch.device("meta"):  # counts only: the largest preset allocates nothing

@@ -8,6 +8,7 @@ import importlib
 import torch
 
 from harness.errors import UsageError
+from variants import ldm_knobs
 from variants.base import REGISTRY, DepthMixer, register
 
 # Importing a module registers its variants, in this order: the order of every listing, table and colour.
@@ -42,7 +43,9 @@ def build(spec: str, *, d_model: int, n_layers: int) -> DepthMixer:
     """The mixer named by ``spec`` (e.g. ``ldm-rls(groups=4)``) for a model of this width and depth."""
     entry, cfg = REGISTRY.config(spec)
     try:
-        return entry.cls(cfg, d_model=d_model, n_layers=n_layers)
+        mixer = entry.cls(cfg, d_model=d_model, n_layers=n_layers)
+        ldm_knobs.refuse_narrow_keys(mixer, d_model)
+        return mixer
     except ValueError as e:
         # Knobs that only fail against a size (groups not dividing the width) are checked here.
         raise UsageError(

@@ -2,8 +2,10 @@
 
 Every knob of spec §5 builds on its own, but some combinations do not give the model their names promise: with
 ``read=residual`` and ``residual_write=off`` no layer's output reaches the head, and with ``read=residual`` the
-memory's knobs change nothing (the model is PreLN under another name). Those are refused with one sentence that
-names the problem and the values that would work.
+memory's knobs change nothing (the model is PreLN under another name). A key width of one (``key_dim=1``, or
+``key_dim=0`` with ``groups`` equal to the width) makes every unit-normalised key ±1: a sign, not a direction, so
+the memory cannot address what it wrote, and float32 and float64 part wherever a key's sign flips near zero.
+Those are refused with one sentence that names the problem and the values that would work.
 
 ``qk_source`` says what the query and key MLPs read. ``residual``, the method's choice, is the residual stream
 ``x_{l-1}``. ``read`` is the latest read, the input of a layer: layer ``l``'s key comes from its own input ``a_l``
@@ -38,10 +40,18 @@ def _text(value) -> str:
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
+MIN_KEY_DIM = 2
+
+
 def refuse_degenerate(cfg) -> None:
     """Raise ``ValueError`` (one sentence, naming the allowed values) for a combination that is not the model its
     name describes."""
     if cfg.read != "residual":
+        if cfg.key_dim == 1:
+            raise ValueError(
+                "key_dim=1 gives keys that are only a sign (a unit-normalised 1-d key is ±1), so the memory "
+                f"cannot tell its writes apart; use key_dim=0 (d_model / groups) or an integer ≥ {MIN_KEY_DIM}"
+            )
         return
     if not cfg.residual_write:
         raise ValueError(
@@ -57,3 +67,16 @@ def refuse_degenerate(cfg) -> None:
                 f"(the model is preln); leave {key} at {_text(default)}, or use read=residual+memory "
                 f"or read=memory"
             )
+
+
+def refuse_narrow_keys(mixer, d_model: int) -> None:
+    """Raise ``ValueError`` when a built LDM mixer's key width ``d_model / groups`` is below ``MIN_KEY_DIM``
+    (``key_dim=1`` itself is refused from the config alone, by ``refuse_degenerate``)."""
+    if not getattr(mixer, "uses_memory", False) or getattr(mixer, "dk", MIN_KEY_DIM) >= MIN_KEY_DIM:
+        return
+    allowed = [str(g) for g in range(1, d_model + 1) if d_model % g == 0 and d_model // g >= MIN_KEY_DIM]
+    raise ValueError(
+        f"groups={mixer.G} at d_model={d_model} gives keys of width {mixer.dk} (d_model / groups), which are only "
+        f"a sign (a unit-normalised 1-d key is ±1), so the memory cannot tell its writes apart; use groups in "
+        f"{', '.join(allowed)}, or key_dim ≥ {MIN_KEY_DIM}"
+    )

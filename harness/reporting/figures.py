@@ -574,6 +574,47 @@ def learned_lambda(ctx: Context) -> tuple[Figure, str]:
     return fig, caption
 
 
+@figure("lambda_seeds", needs="`depth_memory.lambda` in `summary.json` (LDM-RLS runs that learn λ)")
+def lambda_seeds(ctx: Context) -> tuple[Figure, str]:
+    """How far λ moved, seed by seed: λ per layer (mean over memory groups), one line per seed, the band from the
+    smallest to the largest value over seeds and groups, and the value every learned λ starts from."""
+    from variants.rls import LAMBDA_INIT  # imported here: it loads torch
+
+    by_variant, note = _depth_memory_runs(ctx, "lambda")
+    # A fixed λ records its constant: only learned ones can have moved.
+    by_variant = {
+        v: runs for v, runs in by_variant.items() if all(r.knob_values.get("lambda") == "learned" for r in runs)
+    }
+    if not by_variant:
+        raise NoData("no finished run learns λ (every one fixes it with a lambda knob)")
+    order = variant_order(by_variant, ctx.ablation_reference)
+    stacks = {}
+    for variant in order:
+        pairs = [(r.seed, np.asarray(r.summary["depth_memory"]["lambda"], dtype=float)) for r in by_variant[variant]]
+        # Runs of another shape than the first are left out, as in the heatmap of the lambda figure.
+        pairs = [(seed, m) for seed, m in pairs if m.ndim == 2 and m.shape == pairs[0][1].shape]
+        stacks[variant] = (np.stack([m for _, m in pairs]), [seed for seed, _ in pairs])
+    fig, axes = _figure(len(order), ncols=min(len(order), 4), panel_size=(3.8, 3.0))
+    moved = 0.0
+    for ax, variant in zip(axes, order):
+        stack, seeds = stacks[variant]  # (seeds, layers, groups)
+        layers = np.arange(stack.shape[1])
+        ax.fill_between(layers, stack.min(axis=(0, 2)), stack.max(axis=(0, 2)), alpha=0.2, color="grey", linewidth=0)
+        for seed, per_seed in zip(seeds, stack.mean(axis=2)):
+            ax.plot(layers, per_seed, marker="o", markersize=3, linewidth=1, label=f"seed {seed}")
+        ax.axhline(LAMBDA_INIT, color="grey", linestyle="--", linewidth=1)
+        ax.set(xlabel="layer", ylabel="λ", title=variant)
+        ax.ticklabel_format(axis="y", useOffset=False)
+        moved = max(moved, float(np.abs(stack - LAMBDA_INIT).max()))
+    _shared_legend(fig, axes)
+    caption = (
+        f"Learned forgetting factor λ per layer at the last validation, mean over memory groups, one line per seed; "
+        f"band: smallest to largest over seeds and groups; dashed: λ = {LAMBDA_INIT:g}, where every learned λ "
+        f"starts. The largest distance from it in any run, layer and group: {moved:.3g}." + note
+    )
+    return fig, caption
+
+
 @figure("omega", needs="`depth_memory.omega` in `summary.json` (LDM-RLS runs)")
 def omega_profile(ctx: Context) -> tuple[Figure, str]:
     """The importance weight ω per layer: the mean over tokens (line, averaged over seeds), ± its standard
@@ -797,9 +838,11 @@ def mixing_groups(ctx: Context) -> tuple[Figure, str]:
 
 @figure("downstream", needs="`eval/table.csv`")
 def downstream(ctx: Context) -> tuple[Figure, str]:
-    """Downstream accuracy per task and the task average, one panel each, with 95% intervals: over seeds, or
-    lm-eval's standard error for a single seed."""
-    data = ctx.table("downstream").data
+    """Downstream accuracy per task and the task average, one panel each, with 95% intervals (seed spread and
+    item error combined) and the accuracy of uniform guessing as a dashed line."""
+    table = ctx.table("downstream").data
+    data = table[table["variant"] != "chance"].reset_index(drop=True)
+    chance = table[table["variant"] == "chance"]
     tasks = [c[: -len("_ci95")] for c in data.columns if c.endswith("_ci95") and c != "average_ci95"]
     panels = [*tasks, "average"]
     labels = [f"{v} [{s}]" if s else v for s, v in zip(data["setting"], data["variant"])]
@@ -819,12 +862,16 @@ def downstream(ctx: Context) -> tuple[Figure, str]:
                 )
             ax.set_yticks(range(len(data)), labels if task == panels[0] else [""] * len(data))
             ax.invert_yaxis()
+            level = float(chance[task].iloc[0]) if len(chance) and task in chance else math.nan
+            if not math.isnan(level):
+                ax.axvline(100 * level, color="grey", linestyle="--", linewidth=1)
             low, high = ax.get_xlim()
             ax.set_xlim(max(low, 0.0), min(high, 100.0))  # an interval past 0% or 100% says nothing more
             ax.set(xlabel="accuracy (%)", title=task)
     caption = (
         "Downstream accuracy in percent (acc_norm where the task reports it, else acc) with its 95% interval: "
-        "the t-interval over seeds where a variant has two or more, else 1.96 × lm-eval's standard error."
+        "the t-interval over seeds and 1.96 × the runs' item standard error, added in quadrature (the item error "
+        "alone for a single seed). Dashed: the accuracy of guessing uniformly among the task's choices."
     )
     return _finish(fig), caption
 

@@ -7,9 +7,17 @@ and its final validation loss. The runs that agree on everything but the model's
 frontier; the one with the most sizes is shown. Per variant, ``L = a · C^(−b)`` is fitted by least squares on
 ``log L`` against ``log C`` over the mean loss of each size. The compute multiplier of a variant at a size is
 ``C_base(L) / C``: the compute at which the baseline's law reaches the variant's loss, over the variant's own
-compute, the measure the Attention Residuals and mHC reports give. Its interval is a percentile bootstrap over
-seeds: the seed labels are resampled jointly (a seed drawn twice counts twice in every cell that has it), the
-means recomputed and the baseline's law refitted in every resample, with a fixed generator so reports repeat.
+compute, the measure the Attention Residuals and mHC reports give.
+
+Its interval depends on how many seeds there are. With at least ``MIN_BOOTSTRAP_SEEDS`` seeds in every cell it
+rests on (the variant's and the baseline's) it is a percentile bootstrap over seeds: the seed labels are resampled
+jointly (a seed drawn twice counts twice in every cell that has it), the means recomputed and the baseline's law
+refitted in every resample, with a fixed generator so reports repeat. With fewer seeds a bootstrap has too few
+distinct resamples to mean anything (three seeds give ten), so the interval comes from the fit instead: the delta
+method on ``log C_base(L) − log C`` with the covariance of the baseline's least-squares law (its residuals over
+``sizes − 2`` degrees of freedom) and the variance of the variant's mean log loss over its seeds, Student t with
+``sizes − 2`` degrees of freedom. The ``interval`` column says which (``bootstrap``, ``fit``, or ``fit, one seed``
+where a cell's own seed spread cannot be estimated and only the fit's uncertainty is in it).
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from harness.config import ModelConfig
 from harness.reporting.results import Run, Sweep, _flatten, split_variant
 
 BOOTSTRAP = 2000
 MIN_SIZES = 3
+MIN_BOOTSTRAP_SEEDS = 5
 # Config keys that a point on the frontier may change: the model's size, and the steps and tokens its budget gives.
 _FREE_PREFIXES = ("model.", "eval.", "slurm.")
 _FREE_KEYS = {"variant", "train.seed", "name", "data.cache_dir", "train.logger", "train.max_steps", "train.tokens"}
@@ -45,7 +55,8 @@ class Frontier:
 
 
 def forward_flops_per_token(run: Run) -> float | None:
-    """PreLN's forward FLOPs per token at the run's size and sequence length plus what its mixer adds."""
+    """PreLN's forward FLOPs per token at the run's size and sequence length plus what its mixer adds, and for
+    ``preln(match=...)`` what its widened MLPs add."""
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.model.costs import preln_flops_per_token
 
@@ -56,7 +67,27 @@ def forward_flops_per_token(run: Run) -> float | None:
     seq_len = int(run.config_value("train.seq_len", 0) or 0) or model.max_seq_len
     extra = (run.summary or {}).get("extra_flops_per_token")
     extra = float(extra) if isinstance(extra, (int, float)) and math.isfinite(extra) else 0.0
-    return float(preln_flops_per_token(model, seq_len)) + extra
+    widened = _widened_flops(model, str(run.config.get("variant")))
+    return None if widened is None else float(preln_flops_per_token(model, seq_len)) + extra + widened
+
+
+def _widened_flops(model: ModelConfig, variant: str) -> float | None:
+    """Forward FLOPs per token that a parameter-matched PreLN's wider MLPs add (0 for every other variant; None
+    when the variant does not build at this size, so the run is left out of the frontier and named)."""
+    if "match=" not in variant:
+        return 0.0
+    import torch
+
+    import variants
+    from harness.errors import UsageError
+    from harness.model.costs import matched_width_cost
+
+    try:
+        with torch.device("meta"):  # shapes only
+            mixer = variants.build(variant, d_model=model.d_model, n_layers=model.n_layers)
+        return float(matched_width_cost(model, mixer)[1])
+    except (UsageError, ValueError):
+        return None
 
 
 def training_tokens(run: Run) -> float | None:
@@ -134,6 +165,7 @@ def _cells(points: pd.DataFrame) -> pd.DataFrame:
             params=("params", "mean"),
             flops=("flops", "mean"),
             loss=("loss", "mean"),
+            loss_var=("loss", lambda x: float(np.var(x, ddof=1)) if len(x) > 1 else math.nan),
             seeds=("seed", "nunique"),
             setting=("setting", "first"),
         )
@@ -202,12 +234,20 @@ def analyse(
         )
     keys = list(zip(cells["variant"], cells["size"]))
     draws = _bootstrap(points, cells, keys, baseline, resamples, seed)  # (resamples, cells), NaN rows dropped
+    ref_seeds = int(cells.loc[cells["variant"] == baseline, "seeds"].min())
+
+    def interval(idx: list[int]) -> tuple[float, float, str]:
+        if min(ref_seeds, int(cells["seeds"].iloc[idx].min())) >= MIN_BOOTSTRAP_SEEDS:
+            values = draws[:, idx[0]] if len(idx) == 1 else np.exp(np.log(draws[:, idx]).mean(axis=1))
+            return (*_interval(values), "bootstrap")
+        return fit_interval(cells, idx, baseline)
+
     rows = []
     for variant in [v for v in dict.fromkeys(cells["variant"]) if v != baseline]:
         idx = [i for i, k in enumerate(keys) if k[0] == variant]
         for i in idx:
             row = cells.iloc[i]
-            lo, hi = _interval(draws[:, i])
+            lo, hi, how = interval([i])
             rows.append(
                 {
                     "variant": variant,
@@ -219,11 +259,12 @@ def analyse(
                     "multiplier": point[keys[i]],
                     "low": lo,
                     "high": hi,
+                    "interval": how,
                 }
             )
         if len(idx) < 2:
             continue
-        lo, hi = _interval(np.exp(np.log(draws[:, idx]).mean(axis=1)))
+        lo, hi, how = interval(idx)
         rows.append(
             {
                 "variant": variant,
@@ -235,13 +276,46 @@ def analyse(
                 "multiplier": _geomean([point[keys[i]] for i in idx]),
                 "low": lo,
                 "high": hi,
+                "interval": how,
             }
         )
     multipliers = pd.DataFrame(
-        rows, columns=["variant", "setting", "params", "seeds", "flops", "loss", "multiplier", "low", "high"]
+        rows,
+        columns=["variant", "setting", "params", "seeds", "flops", "loss", "multiplier", "low", "high", "interval"],
     )
     reason = "" if not multipliers.empty else f"no variant besides {baseline} is on the frontier"
     return Frontier(points, fits, multipliers, baseline, budget_text, reason)
+
+
+def fit_interval(cells: pd.DataFrame, idx: list[int], baseline: str, level: float = 0.95) -> tuple[float, float, str]:
+    """The interval of the (geometric mean) multiplier of the cells ``idx`` from the baseline's fit and the cells'
+    seed spread, by the delta method (module docstring); NaNs and ``""`` where it cannot be formed."""
+    ref = cells[cells["variant"] == baseline]
+    x = np.log(ref["flops"].to_numpy(dtype=np.float64))
+    y = np.log(ref["loss"].to_numpy(dtype=np.float64))
+    n = len(x)
+    if n < 3:
+        return math.nan, math.nan, ""
+    design = np.column_stack([np.ones(n), x])
+    beta, *_ = np.linalg.lstsq(design, y, rcond=None)
+    residual = y - design @ beta
+    cov = float(residual @ residual) / (n - 2) * np.linalg.inv(design.T @ design)
+    b0, b1 = beta
+    sub = cells.iloc[idx]
+    yv = np.log(sub["loss"].to_numpy(dtype=np.float64))
+    xv = np.log(sub["flops"].to_numpy(dtype=np.float64))
+    # log multiplier_i = (y_i − β0) / β1 − x_i, averaged over the cells for the geometric mean.
+    estimate = float(np.mean((yv - b0) / b1 - xv))
+    grad = np.array([-1.0 / b1, float(np.mean(-(yv - b0) / b1**2))])
+    var_fit = float(grad @ cov @ grad)
+    # The variance of a cell's mean log loss over its seeds, by the delta method (d log L = dL / L).
+    var_cells = (sub["loss_var"] / sub["seeds"] / sub["loss"] ** 2).to_numpy(dtype=np.float64)
+    one_seed = bool(np.isnan(var_cells).any())
+    var_y = float(np.nansum(var_cells)) / (b1**2 * len(idx) ** 2)
+    half = stats.t.ppf(0.5 + level / 2, n - 2) * math.sqrt(var_fit + var_y)
+    if not math.isfinite(half):
+        return math.nan, math.nan, ""
+    return math.exp(estimate - half), math.exp(estimate + half), "fit, one seed" if one_seed else "fit"
 
 
 def _bootstrap(

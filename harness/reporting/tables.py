@@ -46,7 +46,36 @@ class Table:
 
 # -- statistics --------------------------------------------------------------------------------------------
 
-from harness.reporting.stats import compare, mean_ci, welch_ci  # noqa: E402,F401  (re-exported: figures and tests read them)
+from harness.reporting.stats import compare, holm, mean_ci, score_ci, welch_ci  # noqa: E402,F401  (re-exported: figures and tests read them)
+
+SIGNIFICANCE = 0.05
+
+
+def failures(runs: Iterable[Run]) -> dict[str, int]:
+    """Runs that ended without a result, by kind: ``diverged`` (a non-finite loss, whether the run stopped itself
+    or finished with a non-finite final validation loss) and ``failed`` (an error)."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        value = (run.summary or {}).get("val_loss")
+        nonfinite = isinstance(value, (int, float)) and not math.isfinite(value)
+        kind = "diverged" if run.state == "diverged" or (run.state == "done" and nonfinite) else None
+        kind = "failed" if run.state == "failed" else kind
+        if kind:
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def failures_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{counts[k]} {k}" for k in ("diverged", "failed") if counts.get(k)) or "—"
+
+
+def fmt_p(p: float) -> str:
+    """Two significant digits, ``*`` below the significance level: ``0.012 *``, ``0.21``, ``<0.0001 *``; ``—``
+    without a test."""
+    if math.isnan(p):
+        return "—"
+    mark = " *" if p < SIGNIFICANCE else ""
+    return ("<0.0001" if p < 1e-4 else f"{p:.2g}") + mark
 
 
 def train_tokens(run: Run) -> int | None:
@@ -184,10 +213,10 @@ def _axis_text(value) -> str:
 def _comparison_rows(
     groups: dict[tuple[str, str], list[Run]], keys: list[tuple[str, str]], reference: str, *, with_ppl: bool
 ) -> tuple[list[dict], list[dict], dict]:
-    """Rows of a comparison with ``reference``, and what the notes must say: the interval methods used, and the
-    budgets that kept a row from being compared."""
+    """Rows of a comparison with ``reference``, and what the notes must say: the interval methods used, the
+    budgets that kept a row from being compared, the rows paired on part of their seeds and the Holm family."""
     data, display = [], []
-    used = {"methods": set(), "refused": [], "tokens": set()}
+    used = {"methods": set(), "refused": [], "tokens": set(), "partial": [], "tests": 0, "failures": False}
     for setting, variant in keys:
         runs = [r for r in groups[(setting, variant)] if r.final_loss is not None]
         ref_runs = [r for r in groups.get((setting, reference), []) if r.final_loss is not None]
@@ -197,20 +226,26 @@ def _comparison_rows(
         tokens, ref_tokens = {train_tokens(r) for r in runs}, {train_tokens(r) for r in ref_runs}
         used["tokens"] |= tokens
         same_budget = not runs or not ref_runs or (len(tokens | ref_tokens) == 1 and None not in tokens)
-        diff = half = math.nan
-        method = ""
+        diff = half = p = math.nan
+        method, pairs, partial = "", 0, False
         if variant == reference:
             diff, half = 0.0, 0.0
         elif runs and ref_runs and same_budget:
             c = compare({r.seed: r.final_loss for r in ref_runs}, {r.seed: r.final_loss for r in runs})
-            diff, half, method = c.delta, c.half_width, c.method
+            diff, half, method, p, pairs, partial = c.delta, c.half_width, c.method, c.p, c.pairs, c.partial
             used["methods"].add(method)
+            if partial:
+                used["partial"].append(variant if not setting else f"{variant} ({setting})")
+        failed = failures(groups[(setting, variant)])
+        used["failures"] = used["failures"] or bool(failed)
         row = {
             "setting": setting,
             "variant": variant,
             "base": runs[0].base if runs else "",
             "knobs": knobs_text(groups[(setting, variant)][0].knobs),
             "seeds": n,
+            "diverged": failed.get("diverged", 0),
+            "failed": failed.get("failed", 0),
             "val_loss": loss,
             "val_loss_ci95": loss_half,
         }
@@ -220,6 +255,9 @@ def _comparison_rows(
             delta=diff,
             delta_ci95=half,
             delta_method=method,
+            delta_pairs=pairs,
+            delta_partial_seeds=partial,
+            delta_p=p,
             train_tokens=next(iter(tokens)) if len(tokens) == 1 else None,
         )
         data.append(row)
@@ -232,9 +270,15 @@ def _comparison_rows(
             used["refused"].append(variant)
         elif not runs:
             delta_text = "—"
+        elif math.isnan(half):
+            delta_text = fmt_delta(diff, half, 4)  # one seed on a side: the table's note says so
         else:
-            # One seed on a side already reads "no CI: one seed"; the others name their interval.
-            delta_text = fmt_delta(diff, half, 4) + ("" if math.isnan(half) else f" ({method})")
+            what = (
+                f"{pairs} pairs" + ("; seeds differ" if partial else "")
+                if method == "paired t"
+                else f"{n} vs {len(ref_runs)} runs"
+            )
+            delta_text = fmt_delta(diff, half, 4) + f" ({method}, {what})"
         shown = {
             "Setting": setting,
             "Variant": variant,
@@ -251,8 +295,18 @@ def _comparison_rows(
                 "Seeds": str(n),
                 "Val loss (95% CI)": shown["Val loss (95% CI)"],
             }
-        shown[f"Δ loss vs {reference} (95% CI, method)"] = delta_text
+        shown["Failed runs"] = failures_text(failed)
+        shown[f"Δ loss vs {reference} (95% CI, method, pairs)"] = delta_text
         display.append(shown)
+    # One family per table: every Δ of the table is a test of "no difference", corrected together.
+    adjusted = holm(row["delta_p"] for row in data)
+    used["tests"] = sum(not math.isnan(row["delta_p"]) for row in data)
+    for row, shown, p_holm in zip(data, display, adjusted):
+        row["delta_p_holm"] = p_holm
+        shown["p (Holm)"] = "" if row["variant"] == reference else fmt_p(p_holm)
+    if not used["failures"]:
+        for shown in display:
+            del shown["Failed runs"]
     return data, display, used
 
 
@@ -262,7 +316,8 @@ def _comparison_notes(used: dict, reference: str, display: list[dict], rows: lis
     notes = []
     if methods:
         words = {
-            "paired t": "paired t-interval of the per-seed differences where the runs share seeds",
+            "paired t": "paired t-interval of the per-seed differences on the seeds the row shares with "
+            f"{reference} (their number is in the cell)",
             "Welch": "Welch interval (unequal variances) where they share none",
             "one seed": "no interval where a side has one seed",
         }
@@ -270,6 +325,21 @@ def _comparison_notes(used: dict, reference: str, display: list[dict], rows: lis
             f"Δ is the row − {reference} in final validation loss with a 95% interval: "
             + "; ".join(words[m] for m in ("paired t", "Welch", "one seed") if m in methods)
             + ". Negative Δ is better."
+        )
+    if used["tests"]:
+        notes.append(
+            f"p (Holm): the two-sided p-value of the t-test behind each Δ, Holm–Bonferroni adjusted over the "
+            f"{used['tests']} differences of this table; * marks an adjusted p below {SIGNIFICANCE:g}."
+        )
+    if used["partial"]:
+        notes.append(
+            f"Seeds differ for {', '.join(used['partial'])}: the row and {reference} finished different sets of "
+            "seeds, so Δ pairs only the seeds both have and the Seeds column counts more runs than the pairs."
+        )
+    if used["failures"]:
+        notes.append(
+            "Failed runs: runs of the row that diverged (non-finite loss) or stopped with an error; they count "
+            "in no average and are listed under Runs not counted in any average."
         )
     tokens = {t for t in used["tokens"] if t is not None}
     if used["refused"]:
@@ -296,8 +366,9 @@ def _comparison_notes(used: dict, reference: str, display: list[dict], rows: lis
 @table("main", needs="`summary.json`")
 def main_table(ctx: Context) -> Table:
     """Final validation loss and perplexity per variant: the mean over seeds ± the half-width of the two-sided 95%
-    Student-t interval, and Δ to the baseline with its 95% interval, paired over shared seeds (Welch where the
-    runs share none), only between runs of one training budget."""
+    Student-t interval, Δ to the baseline with its 95% interval, paired over shared seeds (Welch where the runs
+    share none) with the number of pairs, only between runs of one training budget, its p-value Holm-adjusted
+    over the table, and the runs of each variant that diverged or failed."""
     sweep, baseline = ctx.sweep, split_variant(ctx.baseline)[0]
     groups = group_runs(sweep.runs)
     if not groups:
@@ -344,20 +415,43 @@ def downstream_scores(sweep: Sweep) -> tuple[pd.DataFrame, dict[str, str]]:
 
 
 def score_interval(values: list[float], stderrs: list[float]) -> tuple[float, float, str]:
-    """Mean accuracy and the half-width of its 95% interval: over seeds (t) when there are two or more, else
-    lm-eval's own standard error of the one run (normal, 1.96 × stderr)."""
-    mean, half, n = mean_ci(values)
-    if n >= 2:
-        return mean, half, "seeds"
-    if n == 1 and stderrs and not math.isnan(stderrs[0]):
-        return mean, 1.959963984540054 * stderrs[0], "stderr"
-    return mean, math.nan, ""
+    """Mean accuracy and the half-width of its 95% interval: seed spread and item error combined
+    (``harness.reporting.stats.score_ci``)."""
+    return score_ci(values, stderrs)
+
+
+# Accuracy of guessing uniformly among a task's choices, by lm-eval task name (the offline suite's prefix dropped).
+# ARC's questions have three to five choices, four for all but a few; LAMBADA asks for a word, not a choice.
+CHANCE = {
+    "arc_easy": 0.25,
+    "arc_challenge": 0.25,
+    "boolq": 0.5,
+    "copa": 0.5,
+    "hellaswag": 0.25,
+    "lambada_openai": 0.0,
+    "openbookqa": 0.25,
+    "piqa": 0.5,
+    "sciq": 0.25,
+    "winogrande": 0.5,
+}
+
+
+def chance_level(task: str) -> float:
+    """The accuracy of uniform guessing on ``task`` (NaN for a task whose choices are not known here)."""
+    return CHANCE.get(task.removeprefix("offline_"), math.nan)
+
+
+def _pct(mean: float, half: float) -> str:
+    if math.isnan(mean):
+        return "—"
+    return f"{100 * mean:.1f}" if math.isnan(half) else f"{100 * mean:.1f} ± {100 * half:.1f}"
 
 
 @table("downstream", needs="`eval/table.csv`")
 def downstream_table(ctx: Context) -> Table:
     """Accuracy per task in percent (`acc_norm` where the task reports it, else `acc`) with its 95% interval —
-    over seeds, or lm-eval's standard error for a single seed — and the average over tasks."""
+    seed spread and each run's item standard error combined — the average over tasks, and a row with the
+    accuracy of uniform guessing."""
     sweep, baseline = ctx.sweep, split_variant(ctx.baseline)[0]
     scores, chosen = downstream_scores(sweep)
     tasks = [t for t, m in chosen.items() if m]
@@ -376,28 +470,60 @@ def downstream_table(ctx: Context) -> Table:
             mean, half, kind = score_interval(list(cell["value"]), list(cell["stderr"]))
             kinds.add(kind)
             row[task], row[f"{task}_ci95"] = mean, half
-            shown[task] = (
-                "—"
-                if math.isnan(mean)
-                else (f"{100 * mean:.1f}" if math.isnan(half) else f"{100 * mean:.1f} ± {100 * half:.1f}")
-            )
+            shown[task] = _pct(mean, half)
         per_seed = mine.pivot_table(index="seed", columns="task", values="value").reindex(columns=tasks)
-        complete = per_seed.dropna()
-        avg, avg_half, _ = mean_ci(complete.mean(axis=1)) if len(complete) else (math.nan, math.nan, 0)
-        row["average"], row["average_ci95"] = avg, avg_half
-        shown["Average"] = (
-            "—"
-            if math.isnan(avg)
-            else (f"{100 * avg:.1f}" if math.isnan(avg_half) else f"{100 * avg:.1f} ± {100 * avg_half:.1f}")
+        errors = mine.pivot_table(index="seed", columns="task", values="stderr", dropna=False).reindex(
+            index=per_seed.index, columns=tasks
         )
+        complete = per_seed.dropna()
+        # Tasks draw independent items: the average's item error is the root sum of squares over T tasks, / T.
+        item_error = np.sqrt((errors.loc[complete.index] ** 2).sum(axis=1, min_count=len(tasks))) / len(tasks)
+        avg, avg_half, kind = (
+            score_interval(list(complete.mean(axis=1)), list(item_error)) if len(complete) else (math.nan, math.nan, "")
+        )
+        kinds.add(kind)
+        row["average"], row["average_ci95"] = avg, avg_half
+        shown["Average"] = _pct(avg, avg_half)
         data.append(row)
         display.append(shown)
+    chance = {task: chance_level(task) for task in tasks}
+    known = [v for v in chance.values() if not math.isnan(v)]
+    data.append(
+        {
+            "setting": "",
+            "variant": "chance",
+            "seeds": 0,
+            **{t: v for t, v in chance.items()},
+            "average": float(np.mean(list(chance.values()))) if len(known) == len(tasks) else math.nan,
+        }
+    )
+    display.append(
+        {
+            "Setting": "",
+            "Variant": "chance",
+            "Seeds": "—",
+            **{t: "?" if math.isnan(v) else f"{100 * v:.1f}" for t, v in chance.items()},
+            "Average": _pct(data[-1]["average"], math.nan),
+        }
+    )
     data, display = _with_axes(data, display, sweep)
     metric_list = ", ".join(f"{t}: {m}" for t, m in chosen.items() if m)
+    words = {
+        "seeds+items": "where a row has two or more seeds, the Student-t interval over seeds and 1.96 × the root "
+        "mean square of the runs' standard errors (lm-eval's stderr over items), added in quadrature: every seed "
+        "answers the same items, so more seeds do not shrink the item error",
+        "items": "for a single seed, 1.96 × lm-eval's standard error of the run",
+        "seeds": "where the runs report no standard error, the Student-t interval over seeds alone, which leaves "
+        "out the error of the items drawn",
+    }
     notes = [
-        f"Accuracy in percent with a 95% interval: the Student-t interval over seeds where a row has two or "
-        f"more, else 1.96 × lm-eval's standard error of the single run. Metric per task: {metric_list}. The "
-        "average is over all tasks of each seed that has every task, then over seeds."
+        "Accuracy in percent with a 95% interval: "
+        + "; ".join(words[k] for k in ("seeds+items", "items", "seeds") if k in kinds)
+        + f". Metric per task: {metric_list}. The average is over all tasks of each seed that has every task "
+        "(its item error the root sum of squares of the tasks' errors over the number of tasks), then over seeds.",
+        "The chance row is the accuracy of guessing uniformly among each task's choices"
+        + (" (? where the task's number of choices is not known)" if len(known) < len(tasks) else "")
+        + "; a score within its interval of chance shows no ability on that task.",
     ]
     skipped = [t for t, m in chosen.items() if not m]
     if skipped:
@@ -408,7 +534,8 @@ def downstream_table(ctx: Context) -> Table:
 @table("ablations", needs="runs of `ldm` or `ldm-rls`")
 def ablation_table(ctx: Context) -> Table:
     """One row per knob setting of the variants whose base is `ldm` or `ldm-rls`, against the report's
-    `ablation_reference` (default `ldm-rls`): mean ± t-interval and Δ with its paired interval."""
+    `ablation_reference` (default `ldm-rls`): mean ± t-interval, Δ with its paired interval and number of pairs,
+    its p-value Holm-adjusted over the table, and the runs that diverged or failed."""
     sweep, reference = ctx.sweep, split_variant(ctx.ablation_reference)[0]
     runs = [r for r in sweep.runs if r.base in LDM_BASES]
     if not runs:
@@ -553,7 +680,7 @@ def read_bench(path: Path) -> pd.DataFrame:
 def compute_multiplier_table(ctx: Context) -> Table:
     """The compute multiplier of every variant: the factor of the baseline's training compute that the baseline's
     fitted power law needs to reach the variant's loss, per model size and as the geometric mean over sizes, with
-    a 95% bootstrap interval over seeds."""
+    a 95% interval: a bootstrap over seeds where every cell has at least five, else from the fit's uncertainty."""
 
     result = ctx.cached("frontier", lambda: frontier.from_sweep(ctx.sweep, ctx.baseline))
     rows = result.multipliers
@@ -570,6 +697,7 @@ def compute_multiplier_table(ctx: Context) -> Table:
                 fmt_ratio(m) if math.isnan(lo) else f"{m:.2f}× [{lo:.2f}, {hi:.2f}]"
                 for m, lo, hi in zip(rows["multiplier"], rows["low"], rows["high"])
             ],
+            "Interval": [how or "none" for how in rows["interval"]],
         }
     )
     fits = "; ".join(f"{r.variant}: L = {r.a:.3g} · C^(−{r.b:.4f})" for r in result.fits.itertuples())
@@ -578,12 +706,29 @@ def compute_multiplier_table(ctx: Context) -> Table:
         f"per token × training tokens. The power law L = a · C^(−b) is fitted by least squares in log–log "
         f"space per variant ({fits}). The multiplier is C_{result.baseline}(L) / C, where C_{result.baseline}(L) "
         f"inverts the {result.baseline} fit: above 1 means the variant reaches its loss with less compute than "
-        f"{result.baseline} would need. Intervals: percentile bootstrap over seeds "
-        f"({frontier.BOOTSTRAP} resamples, seeds resampled jointly across sizes and variants), refitting "
-        f"{result.baseline}'s law in every resample."
+        f"{result.baseline} would need."
     ]
-    if (rows["seeds"] < 2).any():
-        notes.append("Rows with a single seed have no interval.")
+    kinds = set(rows["interval"])
+    if "bootstrap" in kinds:
+        notes.append(
+            f"Interval bootstrap: percentile bootstrap over seeds ({frontier.BOOTSTRAP} resamples, seeds "
+            f"resampled jointly across sizes and variants, {result.baseline}'s law refitted in every resample), "
+            f"for rows whose cells and {result.baseline}'s all have at least {frontier.MIN_BOOTSTRAP_SEEDS} seeds."
+        )
+    if kinds & {"fit", "fit, one seed"}:
+        notes.append(
+            f"Interval fit: with fewer than {frontier.MIN_BOOTSTRAP_SEEDS} seeds a bootstrap has too few distinct "
+            f"resamples, so the interval is the delta method on the log multiplier with the covariance of "
+            f"{result.baseline}'s least-squares fit (Student t with sizes − 2 degrees of freedom) and the variance "
+            "of the row's mean log loss over its seeds"
+            + (
+                "; fit, one seed: the row has a single seed, so only the fit's uncertainty is in it."
+                if "fit, one seed" in kinds
+                else "."
+            )
+        )
+    if "" in kinds:
+        notes.append("Interval none: the fit gives no finite interval for these rows.")
     return Table("compute_multiplier", f"Compute multiplier against {result.baseline}", rows, display, notes)
 
 
@@ -624,7 +769,9 @@ def runs_table(ctx: Context) -> Table:
         raise NoData("every run finished and counts")
     for run in ctx.sweep.excluded():
         reason = run.message
-        if run.state == "done":
+        if run.state == "done" and failures([run]):
+            reason = reason or "finished with a non-finite final validation loss (diverged)"
+        elif run.state == "done":
             reason = reason or "finished without a readable final validation loss in summary.json"
         data.append(
             {

@@ -15,14 +15,15 @@ from typing import Any
 import torch
 
 from harness import units
-from harness.config import RunConfig
+from harness.config import ModelConfig, RunConfig
 from harness.model.factory import build_model
 from harness.sweeps.jobstate import format_rows
 from harness.training.budget import seq_len_of, train_steps
 
 
-def _model_counts(cfg: RunConfig) -> tuple[int, int]:
-    """Parameters and forward depth-mixing FLOPs per token of the run's model, built on the meta device."""
+def _model_counts(cfg: RunConfig) -> tuple[int, int, ModelConfig]:
+    """Parameters, forward depth-mixing FLOPs per token and the decoder's own size of the run's model, built on
+    the meta device. The size is the built decoder's: ``preln(match=...)`` widens its MLPs, and they cost FLOPs."""
 
     with torch.device("meta"):  # shapes without storage: even the largest preset allocates nothing
         model = build_model(cfg.model, cfg.variant)
@@ -30,7 +31,7 @@ def _model_counts(cfg: RunConfig) -> tuple[int, int]:
         extra = int(model.mixer.extra_flops_per_token())
     except NotImplementedError:
         extra = 0
-    return model.num_params(), extra
+    return model.num_params(), extra, model.cfg
 
 
 def run_cost(cfg: RunConfig, *, peak_tflops: float, utilisation: float, _cache: dict | None = None) -> dict[str, Any]:
@@ -44,11 +45,11 @@ def run_cost(cfg: RunConfig, *, peak_tflops: float, utilisation: float, _cache: 
         counts = _model_counts(cfg)
         if _cache is not None:
             _cache[key] = counts
-    params, extra = counts
+    params, extra, built = counts
     seq_len = seq_len_of(cfg)
     steps = train_steps(cfg)
     tokens = steps * cfg.train.batch_size * seq_len
-    flops = 3 * (preln_flops_per_token(cfg.model, seq_len) + extra) * tokens
+    flops = 3 * (preln_flops_per_token(built, seq_len) + extra) * tokens
     gpu_hours = flops / (utilisation * peak_tflops * 1e12) / 3600
     return {"params": params, "steps": steps, "tokens": tokens, "train_flops": float(flops), "gpu_hours": gpu_hours}
 

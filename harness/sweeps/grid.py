@@ -2,10 +2,12 @@
 
 A grid file holds ``base`` (any ``RunConfig`` keys, nested or dotted), ``axes`` (dotted key -> list of values,
 crossed as a product), ``zip`` (groups of keys whose lists vary together, each group one more axis of the
-product), ``exclude`` (partial assignments whose matching combinations are dropped) and ``include`` (extra runs,
-each a set of overrides on the base). Optional ``name`` (default: the file's stem), ``profile`` (the default
-resource profile) and ``parallelism`` (most runs at once). Every run is built as ``build_config`` builds it and its
-variant checked against its model size before anything is submitted, so a bad grid fails as one sentence.
+product), ``exclude`` (partial assignments whose matching combinations are dropped; a list of values under a key
+matches any one of them, so one entry can keep the extra seeds of the headline rows from a whole ablation list)
+and ``include`` (extra runs, each a set of overrides on the base). Optional ``name`` (default: the file's stem),
+``profile`` (the default resource profile) and ``parallelism`` (most runs at once). Every run is built as
+``build_config`` builds it and its variant checked against its model size before anything is submitted, so a bad
+grid fails as one sentence.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str 
     twice = sorted({k for k in taken if taken.count(k) > 1})
     if twice:
         raise UsageError(f"The key {twice[0]!r} is varied twice in {source}: keep it in one axis or zip group.")
+    values = {**axes, **{k: v for g in zips for k, v in g.items()}}
     for entry in data.get("exclude") or []:
         stray = [str(k) for k in entry if str(k) not in taken]
         if stray:
@@ -136,6 +139,14 @@ def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str 
                 f"exclude in {source} names {stray[0]!r}, which no axis or zip group varies; "
                 f"exclude entries may use: {', '.join(taken) or 'no keys (there are no axes)'}."
             )
+        for key, wanted in entry.items():
+            # A value no run has would exclude nothing: most likely a misspelt name, so it is refused.
+            for value in _alternatives(wanted, values[str(key)]):
+                if not any(_same(value, v) for v in values[str(key)]):
+                    raise UsageError(
+                        f"exclude in {source} gives {key}={value!r}, which is not one of its values; "
+                        f"allowed: {', '.join(str(v) for v in values[str(key)])}."
+                    )
     return Grid(
         name=name,
         source=source,
@@ -192,12 +203,24 @@ def combinations(grid: Grid) -> list[dict[str, Any]]:
         combos = [{}]  # a grid of just a base is one run
     elif not grid.axes and not grid.zips:
         combos = []
-    combos = [c for c in combos if not any(_matches(c, ex) for ex in grid.exclude)]
+    values = {**grid.axes, **{k: v for g in grid.zips for k, v in g.items()}}
+    combos = [c for c in combos if not any(_matches(c, ex, values) for ex in grid.exclude)]
     return combos + [dict(inc) for inc in grid.include]
 
 
-def _matches(combo: dict[str, Any], partial: dict[str, Any]) -> bool:
-    return all(str(k) in combo and _same(combo[str(k)], v) for k, v in partial.items())
+def _alternatives(wanted: Any, axis_values: list) -> list:
+    """The values an exclude entry's ``wanted`` stands for: itself, or each element of a list that is not itself
+    one of the axis's values (an axis may vary a list-valued key such as ``eval.tasks``)."""
+    if isinstance(wanted, list) and not any(wanted == v for v in axis_values):
+        return wanted
+    return [wanted]
+
+
+def _matches(combo: dict[str, Any], partial: dict[str, Any], axis_values: dict[str, list] | None = None) -> bool:
+    return all(
+        str(k) in combo and any(_same(combo[str(k)], x) for x in _alternatives(v, (axis_values or {}).get(str(k), [])))
+        for k, v in partial.items()
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
