@@ -216,3 +216,29 @@ def test_a_finished_run_is_the_same_run_under_another_logger_or_eval_tasks(tmp_p
 
     with pytest.raises(UsageError, match="different config"):
         train(changed, run)
+
+
+def test_wandb_training_follows_wandb_dir_and_wandb_project(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_PROJECT", "from-the-environment")
+    cfg = tiny("wandb")
+    run_dir = tmp_path / "runs" / "preln-s0"
+    train(cfg, run_dir)
+    assert not (run_dir / "wandb").exists()
+    (run_file,) = (tmp_path / "wandb-home").glob("wandb/offline-run-*/run-*.wandb")
+    run = next(r.run for r in _wandb_records(run_file) if r.WhichOneof("record_type") == "run")
+    assert run.project == "from-the-environment"
+
+
+def test_a_job_log_carries_no_allocator_warning_from_the_memory_meter(tmp_path):
+    """The CPU memory meter profiles every step; the allocator's one-time warning about blocks from before
+    profiling must not reach the job's stderr."""
+    args = ["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "train.max_steps=3", "train.batch_size=2"]
+    args += ["train.val_every_steps=3", "train.val_batches=1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "CPUAllocator" not in done.stderr and "profiler results will not include" not in done.stderr

@@ -50,8 +50,13 @@ class AllocatorPeak:
         from torch.profiler import ProfilerActivity, profile
 
         with _stderr_silenced():
+            # The allocator warns once per process when a block from before profiling is freed under it; freeing
+            # one here, while its stderr is silenced, spends that warning where nobody reads it, instead of in the
+            # middle of a job's log.
+            early = torch.empty(1)
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.start()
+            del early
 
     def stop(self) -> int:
         if self.device.type == "cuda":

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import rundir
+from harness import rundir, tracking
 from harness.benchmarks.memory import AllocatorPeak, CoreLoad, live_training_bytes
 from harness.config import RunConfig
 from harness.data import corpus as datalib
@@ -750,9 +750,11 @@ def _loggers(cfg: RunConfig, run_dir: Path) -> list:
 
         # Project from the grid (train.wandb_project) or the sweep's name; one group per sweep, one job type per
         # variant, the run id as the name.
+        # W&B's own settings win over the run folder: WANDB_DIR for the files (Lightning's save_dir would
+        # override it), WANDB_PROJECT where the grid names no project.
         logger = WandbLogger(
-            save_dir=str(run_dir),
-            project=t.wandb_project or cfg.name or "depthmem",
+            save_dir=tracking.wandb_dir(run_dir),
+            project=t.wandb_project or os.environ.get("WANDB_PROJECT") or cfg.name or "depthmem",
             group=cfg.name or None,
             job_type=variants.canonical(cfg.variant),
             name=run_dir.name,
