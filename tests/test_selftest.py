@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 import variants as registry
 from harness.cli import main
 
@@ -49,3 +52,29 @@ def test_selftest_refuses_a_missing_gpu(capsys):
         return
     assert main(["selftest", "--device", "cuda"]) == 2
     assert "no CUDA device is available" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_selftest_reports_compiled_speed_beside_eager():
+    from harness.benchmarks.selftest import format_report, measure_speed
+
+    dev = torch.device("cpu")
+    kw = dict(preset="tiny", seq_len=16, batch=2, dtype="float32", steps=1, warmup=1, peak_tflops=None)
+    eager, compiled = measure_speed("preln", dev, **kw), measure_speed("preln", dev, compiled=True, **kw)
+    torch._dynamo.reset()
+    assert eager["tokens_per_s"] > 0 and compiled["tokens_per_s"] > 0
+    ok = {"variant": "preln", "ok": True}
+    report = {
+        "device": "cpu",
+        "device_name": "cpu",
+        "torch": torch.__version__,
+        "peak_bf16_tflops": None,
+        "numerics": [{**ok, "logits_rel_err": 1e-7, "grad_rel_err": 1e-7}],
+        "training": [{**ok, "first_loss": 6.0, "last_loss": 5.0}],
+        "speed": [eager],
+        "speed_compiled": [compiled],
+        "compile": [],
+        "ok": True,
+    }
+    header = format_report(report).splitlines()[1]
+    assert "tokens_per_s" in header and "compiled_tokens_per_s" in header

@@ -147,8 +147,10 @@ def measure_speed(
     steps: int,
     warmup: int,
     peak_tflops: float | None,
+    compiled: bool = False,
 ) -> dict[str, Any]:
-    """Tokens/s of training steps (forward, loss, backward; no optimizer) and the FLOP/s they reach."""
+    """Tokens/s of training steps (forward, loss, backward; no optimizer) and the FLOP/s they reach; with
+    ``compiled``, of the model under ``torch.compile(fullgraph=True)``, its first steps (the compile) untimed."""
     from harness.model.costs import preln_flops_per_token
 
     cfg = model_preset(preset, max_seq_len=max(seq_len, model_preset(preset).max_seq_len))
@@ -156,7 +158,7 @@ def measure_speed(
     model = build_model(cfg, variant).to(device).train()
     tokens = torch.randint(cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     idx, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-    step = _step_fn(model, idx, targets, dtype)
+    step = _step_fn(torch.compile(model, fullgraph=True) if compiled else model, idx, targets, dtype)
     for _ in range(warmup):
         step()
     times = []
@@ -273,6 +275,7 @@ def selftest(
         "numerics": [],
         "training": [],
         "speed": [],
+        "speed_compiled": [],
         "compile": [],
     }
     check_cfg = model_preset(check_preset)
@@ -301,6 +304,24 @@ def selftest(
             )
         )
         say(f"speed {name}: {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.2f} TFLOP/s")
+    if compile or device == "cuda":  # studies train compiled on a GPU (train.compile=auto): its speed beside eager's
+        for name in names:
+            report["speed_compiled"].append(
+                row := measure_speed(
+                    name,
+                    dev,
+                    preset=bench_preset,
+                    seq_len=bench_seq,
+                    batch=bench_batch,
+                    dtype=bench_dtype,
+                    steps=bench_steps,
+                    warmup=bench_warmup,
+                    peak_tflops=peak,
+                    compiled=True,
+                )
+            )
+            say(f"speed {name}, compiled: {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.2f} TFLOP/s")
+            torch._dynamo.reset()
     if compile:
         for name in names:
             report["compile"].append(row := check_compile(name, check_cfg, steps=compile_steps))
@@ -316,7 +337,8 @@ def format_report(report: dict[str, Any]) -> str:
     """One row per variant: numerics, training, speed (and compile), then the verdict."""
     import pandas as pd
 
-    by = {part: {r["variant"]: r for r in report[part]} for part in ("numerics", "training", "speed", "compile")}
+    parts = ("numerics", "training", "speed", "speed_compiled", "compile")
+    by = {part: {r["variant"]: r for r in report.get(part, [])} for part in parts}
     rows = []
     for name in by["numerics"]:
         n, t, s, c = by["numerics"][name], by["training"].get(name), by["speed"].get(name), by["compile"].get(name)
@@ -331,6 +353,10 @@ def format_report(report: dict[str, Any]) -> str:
             "of_peak": f"{s['peak_fraction']:.1%}" if s and s["peak_fraction"] is not None else "",
             "ok": "yes" if n["ok"] and (t is None or t["ok"]) and (c is None or c["ok"]) else "NO",
         }
+        sc = by["speed_compiled"].get(name)
+        if sc:
+            row["compiled_tokens_per_s"] = f"{sc['tokens_per_s']:,.0f}"
+            row["compiled_of_peak"] = f"{sc['peak_fraction']:.1%}" if sc["peak_fraction"] is not None else ""
         if c:
             row["compile_diff"] = f"{c['max_loss_diff']:.1e}"
         rows.append(row)
