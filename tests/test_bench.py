@@ -343,6 +343,12 @@ def test_variant_list_keeps_knob_commas_together():
         (["--seq", "128,256"], "one sequence length"),
         (["--variants", "no-such-mixer"], "Known"),
         (["--repeats", "0"], "--repeats must be an integer of at least 1"),
+        (["--device", "tpu"], "--device must be cpu or cuda"),
+        pytest.param(
+            ["--device", "cuda"],
+            "no CUDA GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
+        ),
     ],
 )
 def test_loop_bench_bad_settings_exit_2_before_training(argv, words, capsys, tmp_path):

@@ -19,6 +19,7 @@ recorded (``harness.benchmarks.quiet``); a row where it passed ``quiet.OTHERS_LI
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
@@ -86,8 +87,8 @@ def run_config(
     batch_size: int,
     seq_len: int,
     seed: int,
+    device: str = "cpu",
 ):
-
     return build_config(
         {
             "model": {"preset": preset},
@@ -101,6 +102,7 @@ def run_config(
                 "batch_size": batch_size,
                 "seq_len": seq_len,
                 "seed": seed,
+                "accelerator": "gpu" if device == "cuda" else "cpu",
             },
         }
     )
@@ -109,12 +111,16 @@ def run_config(
 def bare_loop(cfg, steps: int) -> float:
     """Seconds of steps ``2 .. steps`` of the plain loop: forward, loss, backward, clip, AdamW, schedule."""
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
-    from harness.training.trainer import lr_factor, seq_len_of
+    from harness.training.trainer import compiles, lr_factor, on_gpu, seq_len_of
 
     t = cfg.train
     tokens = datalib.load_tokens(cfg, datalib.get_tokenizer(cfg)).train
     torch.manual_seed(t.seed)
-    model = build_model(cfg.model, cfg.variant).train()
+    # What the harness does on the same device: bf16 autocast on a GPU (precision auto), compiled where it compiles.
+    dev = torch.device("cuda" if on_gpu(cfg) else "cpu")
+    model = build_model(cfg.model, cfg.variant).to(dev).train()
+    forward = torch.compile(model, fullgraph=True) if compiles(cfg) else model
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if dev.type == "cuda" else contextlib.nullcontext
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
@@ -134,8 +140,9 @@ def bare_loop(cfg, steps: int) -> float:
             start = time.perf_counter()
         batch = torch.from_numpy(
             datalib.train_batch(tokens, seed=t.seed, step=step, batch_size=t.batch_size, seq_len=seq_len)
-        )  # (b, t + 1)
-        logits = model(batch[:, :-1])
+        ).to(dev)  # (b, t + 1)
+        with autocast():
+            logits = forward(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -184,8 +191,11 @@ def loop_bench(
     rounds: int = 1,
     out_dir: str | os.PathLike | None = None,
     log: Callable[[str], None] | None = None,
+    device: str = "cpu",
 ):
-    """Harness against bare-loop tokens/s for each variant; one row per variant (columns ``COLUMNS``).
+    """Harness against bare-loop tokens/s for each variant; one row per variant (columns ``COLUMNS``). On
+    ``device`` ``cuda`` both train on the GPU, in bf16 autocast and compiled, as ``train.precision`` and
+    ``train.compile`` default to there.
 
     ``rounds`` harness runs alternate with ``rounds + 1`` bare runs (bare, harness, bare, ...); ``harness_cost`` is
     the median over rounds of each harness run's time over the mean of its two neighbours, minus 1."""
@@ -207,6 +217,10 @@ def loop_bench(
             raise UsageError(f"{label} must be an integer of at least {least}, got {value}.")
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be a positive integer, got {threads}.")
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but this machine has no CUDA GPU; use --device cpu.")
     cfgs = {}
     for name in variants:
         cfg = run_config(
@@ -220,6 +234,7 @@ def loop_bench(
             batch_size=batch_size,
             seq_len=seq_len,
             seed=seed,
+            device=device,
         )
         registry.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
         if seq_len > cfg.model.max_seq_len:

@@ -232,6 +232,7 @@ def run_loop(args) -> int:
         threads=args.threads,
         rounds=1 if args.repeats is None else args.repeats,
         out_dir=args.out,
+        device=args.device,
     )
     if args.dry_run:
         return _print_settings(settings)
