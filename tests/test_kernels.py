@@ -1,4 +1,5 @@
-"""The fused kernels of variants/kernels/ against float64 references, in Triton's interpreter without a GPU.
+"""The fused kernels of variants/kernels/ (depth_read, whiten, softmax_read, sinkhorn) against float64 references,
+in Triton's interpreter without a GPU.
 
 Each kernel's forward and gradients are held to the plain PyTorch beside it run in float64, at odd sizes that
 leave every tile partly masked, and the models that use them give the same logits and gradients with the kernels
@@ -17,6 +18,8 @@ from harness.model.factory import build_model  # noqa: E402
 from variants import kernels  # noqa: E402
 from variants.kernels.depth_read import depth_read  # noqa: E402
 from variants.kernels.depth_read import naive as depth_naive  # noqa: E402
+from variants.kernels.sinkhorn import naive as sinkhorn_naive  # noqa: E402
+from variants.kernels.sinkhorn import sinkhorn  # noqa: E402
 from variants.kernels.softmax_read import naive as softmax_naive  # noqa: E402
 from variants.kernels.softmax_read import softmax_read  # noqa: E402
 from variants.kernels.whiten import naive as whiten_naive  # noqa: E402
@@ -102,6 +105,22 @@ def test_whiten_equals_float64_floor_included(rng_seed, dtype, rows, writes, key
         _close(got, want.detach(), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,n,iters", [(1, 1, 2), (19, 3, 5), (33, 4, 20), (7, 8, 3)])
+def test_sinkhorn_equals_float64(rng_seed, dtype, rows, n, iters):
+    logits = (torch.randn(rows, n, n, dtype=dtype) * 2).requires_grad_()
+    with kernels.mode("on"):
+        m = sinkhorn(logits, iters)
+    g = torch.randn_like(m)
+    (grad,) = torch.autograd.grad(m, logits, g)
+    want, (want_grad,) = _float64_grads(lambda x: sinkhorn_naive.sinkhorn(x, iters), (logits,), g)
+    _close(m, want, dtype)
+    _close(grad, want_grad, dtype)
+    # The last normalization is over rows: each sums to 1 (columns approach 1 with the iterations, as the
+    # reference's do, which the comparison above holds the kernel to).
+    assert torch.allclose(m.double().sum(-1), torch.ones(rows, n, dtype=torch.float64), atol=1e-5)
+
+
 def test_off_and_cpu_without_interpreter_run_the_reference(monkeypatch):
     q, keys, values = torch.randn(3, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 5)
     with kernels.mode("off"):
@@ -125,6 +144,7 @@ def test_off_and_cpu_without_interpreter_run_the_reference(monkeypatch):
         "ldm-rls(qk_source=read,residual_write=off)",
         "attnres",
         "attnres-block(block_size=2)",
+        "mhc(sinkhorn_iters=5)",
     ],
 )
 def test_models_agree_with_kernels_on_and_off(rng_seed, variant):

@@ -11,6 +11,9 @@ the choice between them in the folder's ``__init__``:
 - ``softmax_read``: AttnRes's read ``Σ_s softmax_s(ρ_s w·v_s) v_s`` with the key norm ``ρ_s`` taken inside the
   pass (an online softmax), and a backward that recomputes the weights from the saved log-sum-exp.
 
+- ``sinkhorn``: mHC's projection of ``exp(H̃^res)`` onto doubly stochastic matrices, every iteration in registers,
+  and a backward that runs the iterations again and walks them in reverse.
+
 ``mode`` decides where the kernels run: ``auto`` (the default) on CUDA tensors when Triton is installed, ``on``
 wherever Triton can run them (with ``TRITON_INTERPRET=1`` also on CPU tensors, which is how the tests run them
 without a card), ``off`` never. ``train.kernels`` sets it for a run.
