@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/gpu-bench", help="the folder everything goes to")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny preset, short sequences, one depth")
+    parser.add_argument("--variants", default="", help="comma-separated variants (default: all registered)")
     parser.add_argument("--skip-selftest", action="store_true")
     parser.add_argument("--skip-loop", action="store_true")
     parser.add_argument(
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"selftest: exit {done.returncode}")
     steps = _with_ratios(
         step_rows(
-            resolve_variants(None),
+            # Commas inside a variant's knobs, ldm-rls(groups=4,lambda=1.0), do not split it.
+            resolve_variants([v for v in re.split(r",(?![^()]*\))", args.variants) if v.strip()] or None),
             depths,
             preset=preset,
             seq_len=seq,

@@ -19,7 +19,7 @@ BLOCK_ROWS = 32
 
 @triton.jit
 def _forward(Q, K, V, M, R, n, KD, VD, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
     ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
     rmask = rows < R
     qmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
@@ -36,7 +36,7 @@ def _forward(Q, K, V, M, R, n, KD, VD, BLOCK_R: tl.constexpr, BLOCK_K: tl.conste
 def _backward(
     Q, K, V, DM, DQ, DK, DV, R, n, KD, VD, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
     ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
     rmask = rows < R
     qmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]

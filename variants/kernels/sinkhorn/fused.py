@@ -28,7 +28,7 @@ def _load_exp(L, rows, R, N, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _forward(L, M, R, N, ITERS, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
     m, at, mask = _load_exp(L, rows, R, N, BLOCK_N)
     for _ in range(ITERS):
         s = tl.sum(m, 1)  # column sums, (r, k); a padded column sums to 0 and stays 0
@@ -40,7 +40,7 @@ def _forward(L, M, R, N, ITERS, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _backward(L, DM, DL, SCRATCH, R, N, ITERS, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
     on = tl.arange(0, BLOCK_N)
     m, at, mask = _load_exp(L, rows, R, N, BLOCK_N)
     e = m

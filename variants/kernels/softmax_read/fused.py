@@ -21,7 +21,7 @@ BLOCK_ROWS = 8
 
 @triton.jit
 def _forward(V, W, A, LSE, R, S, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
     od = tl.arange(0, BLOCK_D)
     rmask = rows < R
     mask = rmask[:, None] & (od < D)[None, :]
@@ -45,7 +45,7 @@ def _forward(V, W, A, LSE, R, S, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.cons
 @triton.jit
 def _backward(V, W, A, LSE, DA, DV, DW, R, S, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
     od = tl.arange(0, BLOCK_D)
     rmask = rows < R
     mask = rmask[:, None] & (od < D)[None, :]
@@ -69,7 +69,10 @@ def _backward(V, W, A, LSE, DA, DV, DW, R, S, D, eps, BLOCK_R: tl.constexpr, BLO
 
 
 def _launch(R: int, D: int) -> tuple[tuple[int], dict]:
-    return (triton.cdiv(R, BLOCK_ROWS),), dict(BLOCK_R=BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(D))
+    block = triton.next_power_of_2(D)
+    # A tile of 8 rows of a whole model width: more warps share it at GPT-2 widths than the default four.
+    warps = 8 if block >= 1024 else 4
+    return (triton.cdiv(R, BLOCK_ROWS),), dict(BLOCK_R=BLOCK_ROWS, BLOCK_D=block, num_warps=warps)
 
 
 @torch.library.custom_op("depthmem::softmax_read", mutates_args=())

@@ -23,7 +23,7 @@ def _forward(
     K0, V0, RIDGE, KS, VS, KT, VT, DELTA, FLOORED, MARGIN, R, n, KD, VD,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
     ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
     rmask = rows < R
     kmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
@@ -54,7 +54,7 @@ def _backward(
     K0, KS, VS, KT, VT, DELTA, FLOORED, DKT, DVT, DK0, DV0, DRIDGE, DKS, DVS, R, n, KD, VD,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
     ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
     rmask = rows < R
     kmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
