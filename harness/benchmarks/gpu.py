@@ -53,7 +53,9 @@ def _profile_counts(step, device: torch.device) -> tuple[int | None, int]:
     return gpu, syncs
 
 
-def step_rows(variants, depths, *, preset, seq_len, batch, device, dtype, repeats, log, deadline) -> list[dict]:
+def step_rows(
+    variants, depths, *, preset, seq_len, batch, device, dtype, repeats, log, deadline, backend="inductor"
+) -> list[dict]:
     """One row per depth, mode and variant; rows past ``deadline`` (a ``time.monotonic()``) are marked skipped, so
     the whole check keeps to its time on the card."""
     rows = []
@@ -73,7 +75,7 @@ def step_rows(variants, depths, *, preset, seq_len, batch, device, dtype, repeat
                 kernels.set_mode(kernel_mode)
                 torch.manual_seed(0)
                 model = build_model(cfg, name).to(device).train()
-                forward = torch.compile(model, fullgraph=True) if compiled else model
+                forward = torch.compile(model, fullgraph=True, backend=backend) if compiled else model
                 step = _step_fn(forward, idx, targets, dtype)
                 try:
                     started = time.perf_counter()
@@ -99,7 +101,7 @@ def step_rows(variants, depths, *, preset, seq_len, batch, device, dtype, repeat
     return rows
 
 
-def micro_batch_rows(*, preset, seq_len, device, dtype, batches, repeats, log) -> list[dict]:
+def micro_batch_rows(*, preset, seq_len, device, dtype, batches, repeats, log, backend="inductor") -> list[dict]:
     base = PRESETS[preset]
     cfg = model_config(preset, Shape(2 * base["n_blocks"], base["d_model"], seq_len))
     peak = card_peak_tflops(device)
@@ -109,7 +111,10 @@ def micro_batch_rows(*, preset, seq_len, device, dtype, batches, repeats, log) -
         model = build_model(cfg, "preln").to(device).train()
         tokens = torch.randint(cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
         step = _step_fn(
-            torch.compile(model, fullgraph=True), tokens[:, :-1].to(device), tokens[:, 1:].to(device), dtype
+            torch.compile(model, fullgraph=True, backend=backend),
+            tokens[:, :-1].to(device),
+            tokens[:, 1:].to(device),
+            dtype,
         )
         try:
             step()
@@ -158,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny preset, short sequences, one depth")
     parser.add_argument("--variants", default="", help="comma-separated variants (default: all registered)")
+    parser.add_argument(
+        "--backend",
+        default="inductor",
+        help="torch.compile backend (default: inductor; aot_eager checks the graph only)",
+    )
     parser.add_argument("--skip-selftest", action="store_true")
     parser.add_argument("--skip-loop", action="store_true")
     parser.add_argument(
@@ -204,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats=repeats,
             log=log,
             deadline=started + args.minutes * 60 - reserve,
+            backend=args.backend,
         )
     )
     steps.to_csv(out / "steps.csv", index=False)
@@ -218,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             batches=[4, 8] if args.quick else [8, 16, 32, 64],
             repeats=repeats,
             log=log,
+            backend=args.backend,
         )
     )
     micro.to_csv(out / "micro_batch.csv", index=False)
