@@ -326,6 +326,12 @@ class LDM(DepthMixer):
         )
         omega: bool = knob(True, "importance weights ω from the key MLP (write=rls only)", choices=("on", "off"))
         alpha: float = knob(1.0, "ridge scale, P_{-1} = αI (write=rls only)", allowed="a number > 0")
+        scalar_lr: float = knob(
+            1.0,
+            "learning-rate multiplier of the forgetting factors λ and the importance weights ω (write=rls only), "
+            "applied as a gain on their parameters",
+            allowed="a number > 0",
+        )
 
         def __post_init__(self):
             if self.write not in ("outer", "rls"):
@@ -350,13 +356,15 @@ class LDM(DepthMixer):
                 isinstance(lam, (int, float)) and not isinstance(lam, bool) and 0.0 < lam <= 1.0
             ):
                 raise ValueError(f"lambda must be learned or a number in (0, 1], got {lam!r}")
-            if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
-                raise ValueError(f"alpha must be a number > 0, got {self.alpha!r}")
+            for key, value in (("alpha", self.alpha), ("scalar_lr", self.scalar_lr)):
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                    raise ValueError(f"{key} must be a number > 0, got {value!r}")
             if self.write == "outer":
                 for key, value, default in (
                     ("lambda", lam, "learned"),
                     ("omega", self.omega, True),
                     ("alpha", self.alpha, 1.0),
+                    ("scalar_lr", self.scalar_lr, 1.0),
                 ):
                     if value != default:
                         raise ValueError(
@@ -413,13 +421,14 @@ class LDM(DepthMixer):
         if self.rls and cfg.lambda_ == "learned":
             # One λ per write and group; the embedding write (read=memory) gets its own like any layer,
             # a detail the spec leaves open.
-            self.theta = nn.Parameter(torch.full((n_writes, G), rls.theta_for_lambda()))
+            # θ is stored over the gain, so λ starts at the same value whatever the multiplier.
+            self.theta = nn.Parameter(torch.full((n_writes, G), rls.theta_for_lambda() / cfg.scalar_lr))
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _lambda(self, n: int, like: torch.Tensor) -> torch.Tensor:
         """λ of write ``n`` per group, (g,)."""
         if self.cfg.lambda_ == "learned":
-            return rls.forgetting_factor(self.theta[n].to(like.dtype))
+            return rls.forgetting_factor(self.theta[n].to(like.dtype) * self.cfg.scalar_lr)
         return torch.full((self.G,), float(self.cfg.lambda_), dtype=like.dtype, device=like.device)
 
     def _plain(self, t: torch.Tensor) -> bool:
@@ -463,7 +472,9 @@ class LDM(DepthMixer):
         the raw ω outputs (b, t, g)."""
         G, dk = self.G, self.dk
         k = self._unit(z[..., : G * dk].unflatten(-1, (G, dk)))
-        return [k, z[..., G * dk :]] if self.omega_on else [k]
+        # The gain on ω's logits is its learning-rate multiplier (``scalar_lr``); they start at zero, where it does
+        # not change ω.
+        return [k, z[..., G * dk :] * self.cfg.scalar_lr] if self.omega_on else [k]
 
     def _finish_read(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The read's pass: the query, then the parts of the key of the same layer's write, if the pass made it."""
@@ -724,7 +735,9 @@ class LDM(DepthMixer):
         """LDM-RLS: the forgetting factor λ of every layer's write per group (from the parameters, or the fixed
         value), and the importance weights ω of every layer's write over the traced tokens and groups: mean,
         standard deviation (over all of them, not a sample estimate), min and max. The embedding's own write
-        (``read=memory``) is left out, so there is one entry per layer. Nothing for the outer-product write."""
+        (``read=memory``) is left out, so there is one entry per layer. With learned λ and a gradient from the last
+        step, also the norm of that gradient of λ's parameters (``lambda_grad_norm``), which says whether λ can
+        move at all (``scalar_lr``). Nothing for the outer-product write."""
         if not (self.rls and self.uses_memory):
             return {}
         like = trace.embed.new_zeros((), dtype=torch.float64)
@@ -740,4 +753,8 @@ class LDM(DepthMixer):
                     "max": float(w.max()),
                 }
             )
-        return {"lambda": lam, "omega": omega}
+        stats = {"lambda": lam, "omega": omega}
+        theta = getattr(self, "theta", None)
+        if theta is not None and theta.grad is not None:
+            stats["lambda_grad_norm"] = float(theta.grad.double().norm())
+        return stats
