@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import variants
 from harness.benchmarks import benchmark as B
-from harness.benchmarks import quiet
+from harness.benchmarks import memory, outputs, quiet, reference, targets
 from harness.cli import main
 from harness.errors import UsageError
 from harness.model.factory import build_model
@@ -95,7 +95,7 @@ def test_ratios_and_rates_come_from_the_same_run(rng_seed):
             assert row["tokens_per_s"] == pytest.approx(1 * 8 / (row["step_time_ms"] / 1e3))
             # A step must hold at least the model and everything saved for backward at once.
             model = build_model(B.model_config("tiny", B.Shape(depth, 64, 8)), row["variant"])
-            assert row["peak_mem_bytes"] >= B.static_bytes(model) + row["saved_activation_bytes"]
+            assert row["peak_mem_bytes"] >= memory.static_bytes(model) + row["saved_activation_bytes"]
 
 
 def test_same_seed_gives_the_same_memory_and_floors():
@@ -129,14 +129,14 @@ def test_cpu_peak_counts_exactly_the_bytes_live_at_once(rng_seed):
         c = torch.empty(c_n, dtype=torch.uint8)
         return b, c
 
-    assert B.cpu_peak_allocated_bytes(work) == max(a_n + b_n, b_n + c_n)
+    assert memory.cpu_peak_allocated_bytes(work) == max(a_n + b_n, b_n + c_n)
 
 
 def test_saved_activation_bytes_counts_inputs_autograd_keeps(rng_seed):
     """For tanh(x @ W) with W a parameter, backward keeps x (for W's gradient) and tanh's output."""
     x = torch.randn(7, 5)
     w = torch.nn.Parameter(torch.randn(5, 3))
-    with B.saved_activation_bytes(exclude=[w]) as saved:
+    with memory.saved_activation_bytes(exclude=[w]) as saved:
         y = (x @ w).tanh()
     assert saved["bytes"] == x.nbytes + y.nbytes
 
@@ -158,13 +158,13 @@ def test_model_flops_match_torch_flop_counter(rng_seed):
     with FlopCounterMode(display=False) as attention:
         torch.matmul(torch.matmul(q, q.transpose(-1, -2)), q)
     total = counted.get_total_flops() + cfg.n_blocks * attention.get_total_flops()
-    assert B.model_flops_per_token(cfg, seq) == total / (batch * seq)
+    assert targets.model_flops_per_token(cfg, seq) == total / (batch * seq)
 
 
 def test_preln_floor_is_the_plain_residual():
     cfg = B.model_config("small", B.Shape(12, 256, 256))
     mixer = variants.build("preln", d_model=256, n_layers=12)
-    floor = B._floor(mixer, cfg, 256)
+    floor = targets.analytic_floor(mixer, cfg, 256)
     assert floor["floor_flops_per_token"] == 0 and floor["floor_time_ratio"] == 1.0
     assert floor["floor_state_bytes_per_token"] == 4 * 256 and floor["floor_state_ratio"] == 1.0
 
@@ -189,13 +189,13 @@ def test_scaling_recovers_known_power_laws(rng_seed):
     rows.append(
         {"variant": "preln", "depth": 4, "width": 128, "seq_len": 64, "extra_time_ms": 0.0, "extra_mem_bytes": 0}
     )
-    fits = B.scaling(pd.DataFrame(rows)).set_index("variant")
+    fits = outputs.scaling(pd.DataFrame(rows)).set_index("variant")
     assert list(fits.index) == ["x"]
     assert fits.loc["x", "time_exp_depth"] == pytest.approx(1.5, abs=1e-9)
     assert fits.loc["x", "time_exp_seq_len"] == pytest.approx(0.5, abs=1e-9)
     assert math.isnan(fits.loc["x", "time_exp_width"])
     assert fits.loc["x", "mem_exp_depth"] == pytest.approx(1.0, abs=1e-9)
-    line = B.scaling_lines(B.scaling(pd.DataFrame(rows)))[0]
+    line = outputs.scaling_lines(outputs.scaling(pd.DataFrame(rows)))[0]
     assert line.startswith("x: extra time ∝ L^1.50 · T^0.50")
 
 
@@ -216,23 +216,23 @@ def test_the_plot_runs_along_the_axis_that_varies(varying, axis, tmp_path):
         for name, ratio in (("preln", 1.0), ("ldm", 1.1 + 0.1 * i)):
             rows.append({"variant": name, **shape, "ratio_time": ratio, "ratio_mem": ratio})
     df = pd.DataFrame(rows)
-    assert B.plot_axis(df) == axis
-    path = B.plot_overhead(df, tmp_path / "plot.png")
+    assert outputs.plot_axis(df) == axis
+    path = outputs.plot_overhead(df, tmp_path / "plot.png")
     import matplotlib.image
 
     assert matplotlib.image.imread(path).shape[0] > 100
 
 
 def test_targets_are_marked_met_or_not():
-    text, mark = B.target_of("ldm")
+    text, mark = targets.target_of("ldm")
     assert "1.10" in text and "1.20" in text
     assert mark(1.05, 1.19) == "met" and mark(1.11, 1.0) == "not met" and mark(1.0, 1.21) == "not met"
-    text, mark = B.target_of("attnres", 48)
+    text, mark = targets.target_of("attnres", 48)
     assert "1.30x time at L=48" in text and mark(1.29, 1.29) == "met" and mark(1.31, 1.0) == "not met"
-    text, mark = B.target_of("attnres", 16)
+    text, mark = targets.target_of("attnres", 16)
     assert "growth with depth" in text and mark(5.0, 1.29) == "met" and mark(1.0, 1.31) == "not met"
-    assert "plain trunk" in B.target_of("preln")[0]
-    assert B.target_of("ldm-rls(groups=4)")[0] == ""
+    assert "plain trunk" in targets.target_of("preln")[0]
+    assert targets.target_of("ldm-rls(groups=4)")[0] == ""
 
 
 def test_schedule_times_each_variant_next_to_its_reference():
@@ -250,7 +250,7 @@ def test_plain_trunk_and_reference_models_compute_what_the_variant_computes(rng_
         with torch.no_grad():
             for p in model.mixer.parameters():
                 p.add_(0.1 * torch.randn_like(p))
-        ref = B.reference_model(name, model)
+        ref = reference.reference_model(name, model)
         assert ref is not None, f"{name} has no reference implementation to be measured against"
         ref_model, impl = ref
         if name != "preln":

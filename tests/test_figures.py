@@ -6,6 +6,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -570,3 +572,17 @@ def test_frontier_compute_of_a_matched_preln_counts_its_widened_mlps(tmp_path, r
     # By hand, as for every other run, at the widened MLP width: 6 d FLOPs per extra unit and block.
     by_hand = _train_flops(dataclasses.asdict(wide), "preln", summary["train_tokens"]) / (3.0 * summary["train_tokens"])
     assert fr.forward_flops_per_token(run) == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_the_registry_imports_neither_package_that_registers_into_it():
+    """Registration runs one way: the tables and figures packages import the registry, the report imports them."""
+    code = (
+        "import sys; from harness.reporting import items; items.names('table'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[:3] in "
+        "(['harness', 'reporting', 'figures'], ['harness', 'reporting', 'tables'])))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    # This module imported the report, which imports both packages: every item is registered, in order.
+    assert {"main", "excluded_runs"} <= set(report_items.names("table", selectable=False))
+    assert report_items.names("figure")[:2] == ("loss_curves", "final_loss")

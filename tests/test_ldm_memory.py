@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import build_model, model_preset
-from harness.benchmarks.benchmark import cpu_peak_allocated_bytes
+from harness.benchmarks.memory import cpu_peak_allocated_bytes
 from variants import ldm as ldm_module
 
 SPECS = ["ldm", "ldm-rls", "ldm(read=memory)", "ldm(qk_source=read)", "ldm(residual_write=off)", "ldm+chunk"]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import build_model, model_preset
-from harness.benchmarks.benchmark import cpu_peak_allocated_bytes, saved_activation_bytes
+from harness.benchmarks.memory import cpu_peak_allocated_bytes, saved_activation_bytes
 from variants import tape as tape_module
 
 SPECS = ["hc", "hc(dynamic=off)", "mhc", "mhc(expansion=3,sinkhorn_iters=4)", "ldm", "ldm(read=memory)", "ldm+chunk"]

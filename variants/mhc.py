@@ -57,10 +57,10 @@ class SinkhornKnopp(torch.autograd.Function):
 
     Per token the matrices are n×n with n ≤ 8: with the tokens on the last axis every sum over rows or columns is
     a reduction over a short leading axis of long contiguous rows, about ten times faster than over the trailing
-    n (docs/benchmarks.md). Only the logits are kept for backward (n² floats per token, against 2·iters·n
-    normalizers): backward runs the iterations again, which repeats the forward to the bit, then walks the steps
-    in reverse, undoing a step ``m' = m / s`` as ``m = m' s`` (to rounding). The gradient of a normalization is
-    ``dm = (dm' − Σ_axis dm' ⊙ m') / s``.
+    n (docs/notes/benchmark-history.md, "What the fast paths changed"). Only the logits are kept for backward (n²
+    floats per token, against 2·iters·n normalizers): backward runs the iterations again, which repeats the
+    forward to the bit, then walks the steps in reverse, undoing a step ``m' = m / s`` as ``m = m' s`` (to
+    rounding). The gradient of a normalization is ``dm = (dm' − Σ_axis dm' ⊙ m') / s``.
     """
 
     @staticmethod

@@ -4,7 +4,7 @@ The depth mixers take many small reductions per token: dots over a group of ``d/
 ``n·d`` channels. Written with elementwise products and sums, each costs several passes over memory on CPU, and
 autograd adds more in backward (it materializes broadcast quotients and masks); the functions here take one pass
 where one will do, and their backward passes are the textbook formulas. Each is tested against autograd on the
-plain formula in float64 (``tests/test_fast_paths.py``); docs/benchmarks.md has the measurements.
+plain formula in float64 (``tests/test_fast_paths.py``); docs/notes/benchmark-history.md has the measurements.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class _NormalizedProjection(torch.autograd.Function):
             dx = total if ctx.grad is None else None
         if ctx.needs_input_grad[1]:
             # (dzᵀ x)ᵀ, not xᵀ dz: the same product over the long token axis, 1.6 to 2.7 times faster on CPU at
-            # HC's and mHC's shapes (docs/benchmarks.md).
+            # HC's and mHC's shapes (docs/notes/benchmark-history.md).
             dweight = (dz.mT @ x.reshape(-1, c)).mT
         return dx, dweight, None, None, None
 

@@ -10,7 +10,7 @@ Two implementations compute the same function (``mixer.impl``). ``fused``, the d
 floats instead of the layout copies and temporaries autograd makes around per-token ``einsum``s), applies the
 connections' RMSNorm after their projection (``normalized_projection``) and, in mHC, runs Sinkhorn with a
 hand-written backward. ``reference`` is the plain form of all three; tests/test_fast_paths.py holds the fused one
-to it in float64, and docs/benchmarks.md has what each change saved.
+to it in float64, and docs/notes/benchmark-history.md has what each change saved.
 
 The fused path also checkpoints the stream (``StreamTape``, on ``variants/tape.py``). Every layer's read,
 connections and write need that layer's ``X`` in backward, ``n·d`` floats per token per layer, which was most of

@@ -1,6 +1,8 @@
 """Benchmarks: cost against PreLN, measured.
 
-``benchmark`` times and sizes every variant interleaved with PreLN in one process and fits how cost grows with
-depth, width and sequence length; ``fused_probe`` measures what one hand-written CPU kernel per operation would
-gain over the fast paths' eager operators (a measurement only: no model uses its kernels).
+``benchmark`` times and sizes every variant interleaved with PreLN in one process; ``timing`` times a training
+step, ``memory`` measures its peak, ``reference`` gives each variant's straightforward implementation beside it,
+``targets`` the targets and analytic floors, ``outputs`` the growth fits, table, plot and files, and ``quiet``
+whether other work shared the cores. ``loop`` measures the harness against a bare loop, ``compile`` eager against
+compiled, ``gpu`` and ``selftest`` the checks on a card.
 """

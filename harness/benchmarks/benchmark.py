@@ -7,63 +7,44 @@ machine hits both sides of the ratio. Times are medians over repeats. Peak memor
 a separate step (it does not drift): on CUDA with ``torch.cuda.max_memory_allocated``, on CPU from the allocator
 totals that ``torch.profiler`` records with ``profile_memory=True``; both count the model's parameters plus
 everything a step allocates (activations, logits, gradients, temporaries), no optimizer state. Beside each
-measurement stands the analytic floor from the variant's own cost model, and ``scaling`` fits how each variant's
-extra cost grows with ``L``, ``d`` and ``T``.
+measurement stands the analytic floor from the variant's own cost model (``targets``), and ``outputs.scaling`` fits
+how each variant's extra cost grows with ``L``, ``d`` and ``T``. Steps are timed through ``timing``, memory measured
+through ``memory``, and each variant's straightforward implementation comes from ``reference``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import io
 import math
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from harness.benchmarks import quiet
-from harness.benchmarks.memory import AllocatorPeak
+from harness.benchmarks.memory import peak_step_bytes
+from harness.benchmarks.outputs import write_outputs
+from harness.benchmarks.reference import BASELINE, REFERENCE, reference_model
+from harness.benchmarks.targets import analytic_floor, target_of
+from harness.benchmarks.timing import step_fn, time_steps
 from harness.config import PRESETS, ModelConfig, model_preset
 from harness.errors import RunFailed, UsageError
-from harness.io import atomic_write_bytes, atomic_write_json, atomic_write_text, writable_dir
+from harness.io import writable_dir
 from harness.model.factory import build_model
 from harness.rundir import git_revision
 
-BASELINE = "preln"
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+
+
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bfloat16": "bf16"}
+
+
 DEVICES = ("cpu", "cuda")
 
-# Ratios to PreLN (time, memory) that the optimisation work aims for at every depth from 8 to 48 layers: width 256,
-# seq 256, batch 8, vocabulary 4096, float32, CPU. Keys are canonical variant names, so ``ldm-rls`` means its
-# defaults (G = 16).
-TARGETS: dict[str, tuple[float, float]] = {
-    "ldm": (1.10, 1.20),
-    "ldm-rls": (1.25, 1.30),
-    "attnres-block": (1.10, 1.20),
-    "mhc": (1.10, 1.20),
-    "hc": (1.10, 1.20),
-    "denseformer": (1.10, 1.20),
-}
-# Full AttnRes reads every earlier output, so its time must grow with depth: only its memory has a target at every
-# depth; its time target, 1.30x, applies at 48 layers.
-GROWTH_ONLY = ("attnres",)
-GROWTH_TARGETS = {"attnres": (1.30, 1.30, 48)}
-# PreLN against the plain pre-norm trunk (its reference): what the depth-mixing interface itself may cost.
-PRELN_TARGET = (1.02, 1.02)
-
-# Every mixer's fast path is measured beside the straightforward implementation of its own math, selected by
-# ``mixer.impl``: ``"reference"`` unless the class names another in ``reference_impl`` or below. PreLN's reference
-# is the plain pre-norm trunk (``PlainPreLN``).
-REFERENCE = ":reference"
-REFERENCE_IMPLS = {"ldm": "recurrent", "ldm-rls": "recurrent"}
 
 # Columns of the CSV, in order.
 COLUMNS = [
@@ -102,9 +83,6 @@ COLUMNS = [
     "vs_ref",
 ]
 
-# State streams are kept in float32 even under bf16 autocast (spec §1), so a carried float costs 4 bytes.
-STATE_BYTES_PER_FLOAT = 4
-
 
 @dataclass(frozen=True)
 class Shape:
@@ -113,9 +91,6 @@ class Shape:
     depth: int
     width: int
     seq_len: int
-
-
-# -- configuration ------------------------------------------------------------------------------------------
 
 
 def model_config(preset: str, shape: Shape, vocab_size: int | None = None) -> ModelConfig:
@@ -132,15 +107,6 @@ def model_config(preset: str, shape: Shape, vocab_size: int | None = None) -> Mo
         max_seq_len=max(base["max_seq_len"], shape.seq_len),
         vocab_size=vocab_size or base["vocab_size"],
     )
-
-
-def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """Forward matmul FLOPs per token of the PreLN decoder (2 per multiply-add), attention scores counted in full."""
-    d, f = cfg.d_model, cfg.ffn_hidden
-    attention = 2 * 4 * d * d + 2 * 2 * seq_len * d  # q, k, v, o projections; then q·k and weights·v
-    mlp = 2 * 3 * d * f  # gate, up and down projections of SwiGLU
-    head = 2 * d * cfg.vocab_size
-    return cfg.n_blocks * (attention + mlp) + head
 
 
 def _normalise_dtype(dtype: str | torch.dtype) -> str:
@@ -198,186 +164,6 @@ def schedule(names: Sequence[str], repeats: int, references: Sequence[str] = ())
     return rounds
 
 
-def _base_name(name: str) -> str:
-    return name.split("(", 1)[0]
-
-
-def reference_impl(name: str, mixer) -> str | None:
-    """The ``impl`` of ``mixer`` that is the straightforward form of its math, or None when it has no other."""
-    if not hasattr(mixer, "impl"):
-        return None
-    return getattr(mixer, "reference_impl", None) or REFERENCE_IMPLS.get(_base_name(name), "reference")
-
-
-class PlainPreLN(torch.nn.Module):
-    """The plain pre-norm trunk a PreLN decoder is held to: ``x ← x + F_l(RMSNorm_l(x))`` written out, with no
-    depth-mixing interface, on the decoder's own parameters and blocks (``F.rms_norm`` for the norms)."""
-
-    def __init__(self, decoder):
-        super().__init__()
-        self.decoder = decoder
-
-    def forward(self, idx):
-        m = self.decoder
-        x = m.embed(idx)  # (b, t, d)
-        for layer in m.layers:
-            x = x + layer.fn(F.rms_norm(x, x.shape[-1:], layer.norm.weight, layer.norm.eps))
-        return m.lm_head(F.rms_norm(x, x.shape[-1:], m.final_norm.weight, m.final_norm.eps))
-
-
-def reference_model(name: str, model):
-    """The straightforward implementation beside ``model`` (same weights), and the ``impl`` it runs, or None."""
-    import copy
-
-    if _base_name(name) == BASELINE:
-        return PlainPreLN(model), "plain pre-norm trunk"
-    impl = reference_impl(name, model.mixer)
-    if impl is None or impl == model.mixer.impl:
-        return None
-    ref = copy.deepcopy(model)
-    ref.mixer.impl = impl
-    return ref, impl
-
-
-# -- measurement ----------------------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _step_fn(model, idx, targets, dtype: str) -> Callable[[], None]:
-    """One training step without an optimizer: zero the gradients, forward, cross-entropy, backward."""
-    device_type = idx.device.type
-    autocast = (
-        (lambda: torch.autocast(device_type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
-    )
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        with autocast():
-            logits = model(idx)  # (b, t, vocab)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
-
-    return step
-
-
-def _time_steps(step: Callable[[], None], n_steps: int, device: torch.device) -> float:
-    """Seconds per step, averaged over ``n_steps`` back-to-back steps."""
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(n_steps):
-        step()
-    _sync(device)
-    return (time.perf_counter() - start) / n_steps
-
-
-def static_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers (tied weights counted once)."""
-    seen = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def cpu_peak_allocated_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes live at any moment while ``fn`` runs, counting only what ``fn`` allocates (CPU allocator)."""
-
-    # The CPU counterpart of torch.cuda.max_memory_allocated, from the profiler's allocator totals.
-    peak = AllocatorPeak("cpu")
-    peak.start()
-    try:
-        fn()
-    finally:
-        result = peak.stop()
-    return result
-
-
-@contextlib.contextmanager
-def saved_activation_bytes(exclude: Iterable[torch.Tensor] = ()):
-    """Count the bytes of distinct tensors autograd saves for backward inside the block (``exclude`` left out).
-
-    Yields a dict whose ``"bytes"`` entry holds the total once the block has ended.
-    """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    storages: dict[int, int] = {}
-    result = {"bytes": 0}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t  # the hook only counts; autograd keeps the tensor as usual
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield result
-    result["bytes"] = sum(storages.values())
-
-
-def peak_step_bytes(model, step: Callable[[], None], device: torch.device) -> tuple[int, int]:
-    """(peak bytes of one training step including the model's own, bytes saved for backward)."""
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    with saved_activation_bytes(exclude=list(model.parameters())) as saved:
-        if device.type == "cuda":
-            _sync(device)
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            step()
-            _sync(device)
-            # Other variants' models share the device, so count only what this step added above the start.
-            peak = torch.cuda.max_memory_allocated(device) - before
-        else:
-            peak = cpu_peak_allocated_bytes(step)
-    model.zero_grad(set_to_none=True)
-    return static_bytes(model) + peak, saved["bytes"]
-
-
-def _floor(mixer, cfg: ModelConfig, seq_len: int) -> dict:
-    """The analytic floor of a variant from its cost model (NaN where a variant does not give one)."""
-    try:
-        extra = float(mixer.extra_flops_per_token())
-    except NotImplementedError:
-        extra = math.nan
-    try:
-        floats = float(mixer.stream_floats_per_token())
-    except NotImplementedError:
-        floats = math.nan
-    model_flops = model_flops_per_token(cfg, seq_len)
-    return {
-        "floor_flops_per_token": extra,
-        "model_flops_per_token": model_flops,
-        "floor_time_ratio": 1.0 + extra / model_flops,
-        "floor_state_bytes_per_token": floats * STATE_BYTES_PER_FLOAT,
-        "floor_state_ratio": floats / cfg.d_model,
-    }
-
-
-def target_of(name: str, depth: int | None = None) -> tuple[str, Callable[[float, float], str]]:
-    """The target text of a canonical variant name and how to mark a (time, memory) ratio pair against it.
-
-    For ``preln`` the pair is its ratio to the plain trunk; for every other variant, its ratio to ``preln``.
-    """
-
-    def mark_of(t, m):
-        return lambda rt, rm: "met" if rt <= t and rm <= m else "not met"
-
-    if name in TARGETS:
-        t, m = TARGETS[name]
-        return f"<={t:.2f}x time, <={m:.2f}x mem", mark_of(t, m)
-    if name in GROWTH_TARGETS:
-        t, m, at = GROWTH_TARGETS[name]
-        if depth == at:
-            return f"<={t:.2f}x time at L={at}, <={m:.2f}x mem", mark_of(t, m)
-        return f"<={m:.2f}x mem (time: growth with depth)", mark_of(math.inf, m)
-    if name == BASELINE:
-        t, m = PRELN_TARGET
-        return f"<={t:.2f}x time, <={m:.2f}x mem of the plain trunk", mark_of(t, m)
-    return "", lambda rt, rm: ""
-
-
 def _iqr(values: Sequence[float]) -> float:
     if len(values) < 2:
         return 0.0
@@ -411,12 +197,12 @@ def _measure_shape(
     for name in names:
         torch.manual_seed(seed)  # every variant starts from the same draw, so the decoders match
         models[name] = build_model(cfg, name).to(device).train()
-        steps[name] = _step_fn(models[name], idx, targets, dtype)
+        steps[name] = step_fn(models[name], idx, targets, dtype)
         ref = reference_model(name, models[name]) if references else None
         if ref is not None:
             key = name + REFERENCE
             models[key], impls[name] = ref[0].to(device).train(), ref[1]
-            steps[key] = _step_fn(models[key], idx, targets, dtype)
+            steps[key] = step_fn(models[key], idx, targets, dtype)
     timed = list(models)
 
     for _ in range(warmup):
@@ -434,7 +220,7 @@ def _measure_shape(
         try:
             measured = []
             for name in order:
-                measured.append((name, _time_steps(steps[name], steps_per_repeat, device)))
+                measured.append((name, time_steps(steps[name], steps_per_repeat, device)))
                 models[name].zero_grad(set_to_none=True)
         finally:
             gc.enable()
@@ -518,7 +304,7 @@ def _measure_shape(
                 "ratio_mem": ratio_mem,
                 "extra_time_ms": 0.0 if name == BASELINE else statistics.median(extras[name]) * 1e3,
                 "extra_mem_bytes": mem - base_mem,
-                **_floor(models[name].mixer, cfg, shape.seq_len),
+                **analytic_floor(models[name].mixer, cfg, shape.seq_len),
                 "target": target,
                 "met": met,
                 **ref,
@@ -601,7 +387,7 @@ def bench(
     old_threads = torch.get_num_threads()
     threads = threads or old_threads
     torch.set_num_threads(threads)
-    load_before = _loadavg()
+    load_before = quiet.loadavg()
     others_before = quiet.others_now()
     if require_quiet and quiet.is_busy(others_before):
         torch.set_num_threads(old_threads)
@@ -655,7 +441,7 @@ def bench(
         "cpu_count": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
         "loadavg_before": load_before,
-        "loadavg_after": _loadavg(),
+        "loadavg_after": quiet.loadavg(),
         # Cores other processes kept busy, in the second before and on average during the run (quiet.py).
         "others_before": others_before,
         "others_during": during.others,
@@ -677,166 +463,3 @@ def bench(
             )
         write_outputs(df, out_dir)
     return df
-
-
-def _loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
-# -- analysis and output -------------------------------------------------------------------------------------
-
-AXES = (("depth", "L"), ("width", "d"), ("seq_len", "T"))
-
-
-def _fit_exponents(rows, column: str) -> tuple[dict[str, float], int]:
-    """Least-squares exponents of ``column`` against the varied axes on log-log scales (positive values only)."""
-    import numpy as np
-
-    varied = [axis for axis, _ in AXES if rows[axis].nunique() > 1]
-    usable = rows[rows[column] > 0]
-    if not varied or len(usable) < len(varied) + 1:
-        return {axis: math.nan for axis, _ in AXES}, len(usable)
-    x = np.column_stack([np.ones(len(usable))] + [np.log(usable[a].to_numpy(float)) for a in varied])
-    y = np.log(usable[column].to_numpy(float))
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    fitted = dict(zip(varied, coef[1:]))
-    return {axis: float(fitted.get(axis, math.nan)) for axis, _ in AXES}, len(usable)
-
-
-def scaling(df):
-    """Per variant, exponents ``a`` with extra cost ∝ L^a_L · d^a_d · T^a_T, fitted log-log over the grid."""
-    import pandas as pd
-
-    out = []
-    for name, rows in df[df["variant"] != BASELINE].groupby("variant", sort=False):
-        t_exp, n_t = _fit_exponents(rows, "extra_time_ms")
-        m_exp, n_m = _fit_exponents(rows, "extra_mem_bytes")
-        row = {"variant": name, "points": len(rows), "time_points": n_t, "mem_points": n_m}
-        row.update({f"time_exp_{a}": v for a, v in t_exp.items()})
-        row.update({f"mem_exp_{a}": v for a, v in m_exp.items()})
-        out.append(row)
-    columns = ["variant", "points", "time_points", "mem_points"] + [
-        f"{k}_exp_{a}" for k in ("time", "mem") for a, _ in AXES
-    ]
-    return pd.DataFrame(out, columns=columns)
-
-
-def scaling_lines(fits) -> list[str]:
-    """One sentence per variant: how its extra time and extra memory grow with L, d and T."""
-
-    def law(row, kind):
-        parts = [
-            f"{sym}^{row[f'{kind}_exp_{axis}']:.2f}" for axis, sym in AXES if not math.isnan(row[f"{kind}_exp_{axis}"])
-        ]
-        return " · ".join(parts) if parts else "n/a (needs two values of an axis and a positive extra cost)"
-
-    return [
-        f"{row['variant']}: extra time ∝ {law(row, 'time')}; extra memory ∝ {law(row, 'mem')}"
-        for _, row in fits.iterrows()
-    ]
-
-
-def format_table(df) -> str:
-    """The measurements as a fixed-width table with the analytic floor and the target beside each ratio."""
-    view = df.assign(
-        peak_mem_MiB=df["peak_mem_bytes"] / 2**20,
-        state_B_per_tok=df["floor_state_bytes_per_token"],
-    )[
-        [
-            "variant",
-            "depth",
-            "width",
-            "seq_len",
-            "step_time_ms",
-            "tokens_per_s",
-            "peak_mem_MiB",
-            "ratio_time",
-            "ratio_time_iqr",
-            "ratio_mem",
-            "floor_time_ratio",
-            "state_B_per_tok",
-            "target",
-            "met",
-            "ref_impl",
-            "ratio_time_vs_ref",
-            "ratio_mem_vs_ref",
-            "vs_ref",
-        ]
-    ]
-    return view.to_string(index=False, float_format=lambda x: f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}")
-
-
-AXIS_LABELS = {"depth": "depth L", "width": "width d", "seq_len": "sequence length T"}
-AXIS_SYMBOLS = {"depth": "L", "width": "d", "seq_len": "T"}
-
-
-def plot_axis(df) -> str:
-    """The grid axis a plot runs along: depth when it varies (or when nothing does), else width, else T."""
-    for axis in ("depth", "width", "seq_len"):
-        if df[axis].nunique() > 1:
-            return axis
-    return "depth"
-
-
-def plot_overhead(df, path: str | os.PathLike) -> Path:
-    """Ratio to PreLN (time and memory) against the varying axis (``plot_axis``), one line per variant, as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    axis = plot_axis(df)
-    long = df.melt(
-        id_vars=["variant", "depth", "width", "seq_len"],
-        value_vars=["ratio_time", "ratio_mem"],
-        var_name="metric",
-        value_name="ratio to preln",
-    )
-    others = [a for a in AXIS_SYMBOLS if a != axis]  # the fixed axes label each line's shape, e.g. "d=256, T=128"
-    long["shape"] = long.apply(lambda r: ", ".join(f"{AXIS_SYMBOLS[a]}={r[a]}" for a in others), axis=1)
-    several = long["shape"].nunique() > 1
-    grid = sns.relplot(
-        data=long,
-        x=axis,
-        y="ratio to preln",
-        hue="variant",
-        col="metric",
-        kind="line",
-        marker="o",
-        style="shape" if several else None,
-        height=3.6,
-        aspect=1.2,
-        facet_kws={"sharey": False},
-    )
-    grid.set_titles("{col_name}")
-    values = sorted(df[axis].unique())
-    for ax in grid.axes.flat:
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        if len(values) > 1:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(values, [str(v) for v in values])
-        ax.set_xlabel(AXIS_LABELS[axis])
-        ax.minorticks_off()
-    grid.figure.suptitle(f"Overhead over PreLN against {AXIS_LABELS[axis]}", y=1.03)
-    buf = io.BytesIO()
-    grid.figure.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    plt.close(grid.figure)
-
-    return atomic_write_bytes(path, buf.getvalue())
-
-
-def write_outputs(df, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write the CSV, the scaling fits, the run's settings and the plot into ``out_dir``."""
-
-    out = Path(out_dir)
-    paths = {
-        "csv": atomic_write_text(out / "bench.csv", df.to_csv(index=False)),
-        "scaling": atomic_write_text(out / "bench_scaling.csv", scaling(df).to_csv(index=False)),
-        "meta": atomic_write_json(out / "bench_meta.json", df.attrs.get("meta", {})),
-        "plot": plot_overhead(df, out / f"overhead_vs_{plot_axis(df)}.png"),
-    }
-    return paths

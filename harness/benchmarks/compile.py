@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from harness.benchmarks.benchmark import Shape, _step_fn, _time_steps, model_config, resolve_variants
+from harness.benchmarks.benchmark import Shape, model_config, resolve_variants
+from harness.benchmarks.timing import step_fn, time_steps
 from harness.config import PRESETS
 from harness.model.factory import build_model
 
@@ -46,15 +47,15 @@ def compile_gain(
         torch.manual_seed(seed)
         compiled = build_model(cfg, name).to(dev).train()
         compiled.compile(fullgraph=True)
-        eager_step, compiled_step = _step_fn(eager, idx, targets, dtype), _step_fn(compiled, idx, targets, dtype)
-        compile_s = _time_steps(compiled_step, 1, dev)
+        eager_step, compiled_step = step_fn(eager, idx, targets, dtype), step_fn(compiled, idx, targets, dtype)
+        compile_s = time_steps(compiled_step, 1, dev)
         for _ in range(warmup):
             eager_step()
             compiled_step()
         eager_t, compiled_t = [], []
         for _ in range(repeats):
-            eager_t.append(_time_steps(eager_step, 1, dev))
-            compiled_t.append(_time_steps(compiled_step, 1, dev))
+            eager_t.append(time_steps(eager_step, 1, dev))
+            compiled_t.append(time_steps(compiled_step, 1, dev))
         e, c = statistics.median(eager_t), statistics.median(compiled_t)
         rows.append(
             {

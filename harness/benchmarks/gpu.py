@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from harness.benchmarks.benchmark import Shape, _step_fn, _sync, _time_steps, model_config, resolve_variants
+from harness.benchmarks.benchmark import Shape, model_config, resolve_variants
 from harness.benchmarks.selftest import card_peak_tflops
+from harness.benchmarks.timing import step_fn, sync, time_steps
 from harness.config import PRESETS
 from harness.io import atomic_write_text
 from harness.model.costs import preln_flops_per_token
@@ -44,7 +45,7 @@ def _profile_counts(step, device: torch.device) -> tuple[int | None, int]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
-        _sync(device)
+        sync(device)
     events = prof.events()
     syncs = sum(1 for e in events if e.name in SYNCS)
     if device.type != "cuda":
@@ -76,7 +77,7 @@ def step_rows(
                 torch.manual_seed(0)
                 model = build_model(cfg, name).to(device).train()
                 forward = torch.compile(model, fullgraph=True, backend=backend) if compiled else model
-                step = _step_fn(forward, idx, targets, dtype)
+                step = step_fn(forward, idx, targets, dtype)
                 try:
                     started = time.perf_counter()
                     step()  # compiles, where it does
@@ -84,7 +85,7 @@ def step_rows(
                     step()
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
-                    times = [_time_steps(step, 1, device) for _ in range(repeats)]
+                    times = [time_steps(step, 1, device) for _ in range(repeats)]
                     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
                     n_kernels, syncs = _profile_counts(step, device)
                     row = {"ms": statistics.median(times) * 1e3, "first_step_s": first_s, "peak_bytes": peak}
@@ -110,7 +111,7 @@ def micro_batch_rows(*, preset, seq_len, device, dtype, batches, repeats, log, b
         torch.manual_seed(0)
         model = build_model(cfg, "preln").to(device).train()
         tokens = torch.randint(cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
-        step = _step_fn(
+        step = step_fn(
             torch.compile(model, fullgraph=True, backend=backend),
             tokens[:, :-1].to(device),
             tokens[:, 1:].to(device),
@@ -119,7 +120,7 @@ def micro_batch_rows(*, preset, seq_len, device, dtype, batches, repeats, log, b
         try:
             step()
             step()
-            sec = statistics.median(_time_steps(step, 1, device) for _ in range(repeats))
+            sec = statistics.median(time_steps(step, 1, device) for _ in range(repeats))
         except torch.OutOfMemoryError:
             log(f"preln micro batch {batch}: out of memory")
             break

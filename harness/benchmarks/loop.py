@@ -64,13 +64,6 @@ COLUMNS = [
 ]
 
 
-def _loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
 def _folder(name: str) -> str:
     return name.replace("(", "_").replace(")", "_")
 
@@ -251,7 +244,7 @@ def loop_bench(
     try:
         with tempfile.TemporaryDirectory(prefix="depthmem-loop-") as tmp:
             for name, cfg in cfgs.items():
-                load_before, others_before = _loadavg(), quiet.others_now()
+                load_before, others_before = quiet.loadavg(), quiet.others_now()
                 if log:
                     log(f"{name}: bare loop, {steps} steps (other processes: {others_before} cores busy)")
                 with quiet.OtherLoad() as during:
@@ -264,7 +257,7 @@ def loop_bench(
                         if log:
                             log(f"{name}: bare loop again")
                         bares.append(bare_loop(cfg, steps))
-                load_after = _loadavg()
+                load_after = quiet.loadavg()
                 # Each harness run against the mean of the two bare runs around it; the median over rounds.
                 costs = [h / ((bares[r] + bares[r + 1]) / 2) - 1 for r, h in enumerate(harnesses)]
                 bare, bare_after = statistics.median(bares[:-1]), statistics.median(bares[1:])

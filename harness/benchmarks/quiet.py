@@ -72,3 +72,12 @@ def is_busy(*others: float | None) -> bool:
 
 
 __all__ = ["OTHERS_LIMIT", "OtherLoad", "others_now", "is_busy", "machine_busy_seconds", "own_seconds"]
+
+
+def loadavg() -> list[float]:
+    """The 1, 5 and 15 minute load averages, for the record (empty where the platform has none); whether a run
+    was quiet is judged by ``others_now`` and ``OtherLoad``, since the load average counts the run's own threads."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []

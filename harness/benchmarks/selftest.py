@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from harness.benchmarks.benchmark import _step_fn
+from harness.benchmarks.timing import step_fn, sync
 from harness.config import build_config, model_preset
 from harness.errors import UsageError
 from harness.io import atomic_write_json
@@ -55,11 +55,6 @@ def card_peak_tflops(device: torch.device) -> float | None:
         if key in name:
             return peak
     return None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def check_numerics(variant: str, cfg, device: torch.device, *, batch: int = 2, seed: int = 0) -> dict[str, Any]:
@@ -158,15 +153,15 @@ def measure_speed(
     model = build_model(cfg, variant).to(device).train()
     tokens = torch.randint(cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     idx, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-    step = _step_fn(torch.compile(model, fullgraph=True) if compiled else model, idx, targets, dtype)
+    step = step_fn(torch.compile(model, fullgraph=True) if compiled else model, idx, targets, dtype)
     for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         step()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     sec = statistics.median(times)
     tokens_per_s = batch * seq_len / sec

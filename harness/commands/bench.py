@@ -258,6 +258,7 @@ def run(args) -> int:
     if args.micro_batch_memory:
         return run_micro_batch(args)
     from harness.benchmarks import benchmark as B
+    from harness.benchmarks import outputs
 
     settings = dict(preset="small", depths=None, seqs=[256], batch_size=8, repeats=5, warmup=2)
     if args.quick:
@@ -310,9 +311,10 @@ def run(args) -> int:
         f"state_B_per_tok = stream floats x 4 bytes; ratio_*_vs_ref = this implementation over the "
         f"straightforward one of the same math (ref_impl; preln: the plain pre-norm trunk)"
     )
-    print(B.format_table(df))
+    print(outputs.format_table(df))
     print()
-    for line in B.scaling_lines(B.scaling(df)):
+    for line in outputs.scaling_lines(outputs.scaling(df)):
         print(line)
-    print(f"\nwrote {args.out}/bench.csv, bench_scaling.csv, bench_meta.json and overhead_vs_{B.plot_axis(df)}.png")
+    plot = f"overhead_vs_{outputs.plot_axis(df)}.png"
+    print(f"\nwrote {args.out}/bench.csv, bench_scaling.csv, bench_meta.json and {plot}")
     return 0

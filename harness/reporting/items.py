@@ -68,9 +68,11 @@ def figure(name: str, *, needs: str):
 
 
 def items(kind: str) -> list[Item]:
-    """Every registered item of a kind, in registration order (importing the modules that define them)."""
-    from harness.reporting import figures, tables  # noqa: F401  (registration happens on import)
+    """Every registered item of a kind, in registration order.
 
+    Items register when the modules that define them are imported (``harness.reporting.report`` imports the
+    figures and tables packages); this module imports neither, so they can import it.
+    """
     return [i for i in _ITEMS.values() if i.kind == kind]
 
 

@@ -1,0 +1,138 @@
+"""Mixing matrices: how much each layer reads of every earlier one, averaged and per group."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+
+from harness.reporting.figures.common import figure_grid, finish, main_setting, setting_note
+from harness.reporting.items import Context, NoData, figure
+from harness.reporting.results import Run, split_variant
+from harness.reporting.tables import LDM_BASES, variant_order
+
+
+def _mixing_runs(ctx: Context, keep) -> tuple[dict[str, list[Run]], list[Run], str]:
+    candidates = [r for r in ctx.sweep.finished() if r.mixing and keep(r)]
+    shown = main_setting(candidates)
+    by_variant: dict[str, list[Run]] = {}
+    for run in candidates:
+        if run.setting == shown:
+            by_variant.setdefault(run.variant, []).append(run)
+    return by_variant, candidates, shown
+
+
+def _mean_same_shape(arrays: list[np.ndarray]) -> tuple[np.ndarray, bool]:
+    same = [a for a in arrays if a.shape == arrays[0].shape]
+    return np.mean(same, axis=0), len(same) < len(arrays)
+
+
+@figure("mixing", needs="`mixing.json`")
+def mixing_matrices(ctx: Context) -> tuple[Figure, str]:
+    """The depth-mixing matrix of every variant as a heatmap, averaged over seeds, one panel per variant, all on
+    one colour scale."""
+    by_variant, candidates, shown = _mixing_runs(ctx, lambda r: isinstance(r.mixing.get("matrix"), list))
+    if not by_variant:
+        raise NoData("no finished run has a mixing.json with a matrix")
+    order = variant_order(by_variant, ctx.baseline)
+    matrices, skipped = {}, []
+    for variant in order:
+        runs = sorted(by_variant[variant], key=lambda r: r.seed)
+        matrices[variant], dropped = _mean_same_shape([np.asarray(r.mixing["matrix"], dtype=float) for r in runs])
+        if dropped:
+            skipped.append(variant)
+    shown_cells = [
+        m[np.tril_indices(m.shape[0], 0, m.shape[1])] if m.shape[0] == m.shape[1] else m.ravel()
+        for m in matrices.values()
+    ]
+    vmin = min(float(c.min()) for c in shown_cells)
+    vmax = max(float(c.max()) for c in shown_cells)
+    fig, axes = figure_grid(len(order), ncols=min(len(order), 4), panel_size=(4.0, 3.4))
+    for i, (ax, variant) in enumerate(zip(axes, order)):
+        matrix = matrices[variant]  # (readers, sources)
+        first = by_variant[variant][0].mixing
+        readers, sources = first.get("readers"), first.get("sources")
+        frame = pd.DataFrame(
+            matrix,
+            index=readers if readers and len(readers) == matrix.shape[0] else None,
+            columns=sources if sources and len(sources) == matrix.shape[1] else None,
+        )
+        # Reader l sees only the embedding and outputs before it: the cells above the diagonal do not exist.
+        mask = np.triu(np.ones(matrix.shape, dtype=bool), k=1) if matrix.shape[0] == matrix.shape[1] else None
+        sns.heatmap(
+            frame,
+            ax=ax,
+            mask=mask,
+            cmap="mako",
+            square=True,
+            vmin=vmin,
+            vmax=vmax,
+            cbar=i == len(order) - 1,
+            cbar_kws={"label": "mixing weight (shared scale)"},
+        )
+        ax.set(xlabel="source", ylabel="reader", title=variant)
+    caption = (
+        "Depth-mixing matrices: entry (reader, source) is the weight with which a layer's input (or the "
+        "head's) contains the embedding or an earlier layer's output, averaged over tokens and seeds; one "
+        "colour scale for all panels." + setting_note(candidates, shown)
+    )
+    if skipped:
+        caption += f" Runs whose matrix shape differs were left out for: {', '.join(skipped)}."
+    return finish(fig), caption
+
+
+MAX_GROUP_PANELS = 16
+
+
+@figure("mixing_groups", needs="`mixing.json` with `per_group` (LDM and LDM-RLS runs)")
+def mixing_groups(ctx: Context) -> tuple[Figure, str]:
+    """The depth-mixing matrix of every memory group of LDM and LDM-RLS (at their default knobs, and the ablation
+    reference), one row of panels per variant, averaged over seeds, all on one colour scale."""
+    reference = split_variant(ctx.ablation_reference)[0]
+    by_variant, candidates, shown = _mixing_runs(
+        ctx,
+        lambda r: (
+            (r.variant in LDM_BASES or r.variant == reference)
+            and isinstance(r.mixing.get("per_group"), list)
+            and len(r.mixing["per_group"]) > 0
+        ),
+    )
+    if not by_variant:
+        raise NoData("no finished ldm or ldm-rls run has per-group matrices in mixing.json")
+    order = variant_order(by_variant, reference)
+    stacks = {
+        v: _mean_same_shape([np.asarray(r.mixing["per_group"], dtype=float) for r in by_variant[v]])[0] for v in order
+    }  # (groups, readers, sources)
+    cols = min(MAX_GROUP_PANELS, max(s.shape[0] for s in stacks.values()))
+    vmin = min(float(np.nanmin(s)) for s in stacks.values())
+    vmax = max(float(np.nanmax(s)) for s in stacks.values())
+    fig, axes = figure_grid(len(order) * cols, ncols=cols, panel_size=(1.7, 1.7))
+    image = None
+    for r, variant in enumerate(order):
+        stack = stacks[variant]
+        for g in range(cols):
+            ax = axes[r * cols + g]
+            if g >= stack.shape[0]:
+                ax.set_axis_off()
+                continue
+            m = (
+                np.where(np.triu(np.ones(stack[g].shape, dtype=bool), k=1), np.nan, stack[g])
+                if stack[g].shape[0] == stack[g].shape[1]
+                else stack[g]
+            )
+            image = ax.imshow(m, cmap="mako", vmin=vmin, vmax=vmax, interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(f"{variant} g{g}" if g == 0 else f"g{g}", fontsize=7)
+    finish(fig)
+    fig.colorbar(image, ax=list(axes), label="mixing weight (shared scale)", shrink=0.8)
+    caption = (
+        "Per-group depth-mixing matrices of the linear depth memory: in each panel rows are readers (layers, "
+        "then the head) and columns sources (the embedding, then layer outputs), averaged over tokens and "
+        "seeds; one colour scale for all panels."
+    )
+    over = [v for v in order if stacks[v].shape[0] > cols]
+    if over:
+        caption += f" Only the first {cols} groups are drawn for: {', '.join(over)}."
+    return fig, caption + setting_note(candidates, shown)

@@ -1,0 +1,369 @@
+"""Variants compared: validation loss (``main``), downstream accuracy (``downstream``) and the LDM ablations
+(``ablations``), each difference to the reference paired over shared seeds where it can be.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+import pandas as pd
+
+from harness.reporting.items import Context, NoData, table
+from harness.reporting.render import SIGNIFICANCE, Table, fmt_ci, fmt_count, fmt_delta, fmt_p
+from harness.reporting.results import Run, Sweep, knobs_text, split_variant
+from harness.reporting.stats import compare, holm, mean_ci, score_ci
+from harness.reporting.tables.common import (
+    LDM_BASES,
+    budget_text,
+    failures,
+    failures_text,
+    group_runs,
+    one_seed_note,
+    ordered_keys,
+    perplexity,
+    train_tokens,
+    with_axes,
+)
+
+
+def _comparison_rows(
+    groups: dict[tuple[str, str], list[Run]], keys: list[tuple[str, str]], reference: str, *, with_ppl: bool
+) -> tuple[list[dict], list[dict], dict]:
+    """Rows of a comparison with ``reference``, and what the notes must say: the interval methods used, the
+    budgets that kept a row from being compared, the rows paired on part of their seeds and the Holm family."""
+    data, display = [], []
+    used = {"methods": set(), "refused": [], "tokens": set(), "partial": [], "tests": 0, "failures": False}
+    for setting, variant in keys:
+        runs = [r for r in groups[(setting, variant)] if r.final_loss is not None]
+        ref_runs = [r for r in groups.get((setting, reference), []) if r.final_loss is not None]
+        losses = [r.final_loss for r in runs]
+        loss, loss_half, n = mean_ci(losses)
+        ppl, ppl_half, _ = mean_ci(perplexity(r) for r in runs)
+        tokens, ref_tokens = {train_tokens(r) for r in runs}, {train_tokens(r) for r in ref_runs}
+        used["tokens"] |= tokens
+        same_budget = not runs or not ref_runs or (len(tokens | ref_tokens) == 1 and None not in tokens)
+        diff = half = p = math.nan
+        method, pairs, partial = "", 0, False
+        if variant == reference:
+            diff, half = 0.0, 0.0
+        elif runs and ref_runs and same_budget:
+            c = compare({r.seed: r.final_loss for r in ref_runs}, {r.seed: r.final_loss for r in runs})
+            diff, half, method, p, pairs, partial = c.delta, c.half_width, c.method, c.p, c.pairs, c.partial
+            used["methods"].add(method)
+            if partial:
+                used["partial"].append(variant if not setting else f"{variant} ({setting})")
+        failed = failures(groups[(setting, variant)])
+        used["failures"] = used["failures"] or bool(failed)
+        row = {
+            "setting": setting,
+            "variant": variant,
+            "base": runs[0].base if runs else "",
+            "knobs": knobs_text(groups[(setting, variant)][0].knobs),
+            "seeds": n,
+            "diverged": failed.get("diverged", 0),
+            "failed": failed.get("failed", 0),
+            "val_loss": loss,
+            "val_loss_ci95": loss_half,
+        }
+        if with_ppl:
+            row.update(val_ppl=ppl, val_ppl_ci95=ppl_half)
+        row.update(
+            delta=diff,
+            delta_ci95=half,
+            delta_method=method,
+            delta_pairs=pairs,
+            delta_partial_seeds=partial,
+            delta_p=p,
+            train_tokens=next(iter(tokens)) if len(tokens) == 1 else None,
+        )
+        data.append(row)
+        if variant == reference:
+            delta_text = "reference"
+        elif not ref_runs:
+            delta_text = f"— (no finished {reference} run)"
+        elif not same_budget:
+            delta_text = f"— (trained on {budget_text(tokens)}, {reference} on {budget_text(ref_tokens)})"
+            used["refused"].append(variant)
+        elif not runs:
+            delta_text = "—"
+        elif math.isnan(half):
+            delta_text = fmt_delta(diff, half, 4)  # one seed on a side: the table's note says so
+        else:
+            what = (
+                f"{pairs} pairs" + ("; seeds differ" if partial else "")
+                if method == "paired t"
+                else f"{n} vs {len(ref_runs)} runs"
+            )
+            delta_text = fmt_delta(diff, half, 4) + f" ({method}, {what})"
+        shown = {
+            "Setting": setting,
+            "Variant": variant,
+            "Seeds": str(n),
+            "Val loss (95% CI)": fmt_ci(loss, loss_half, n, 4),
+        }
+        if with_ppl:
+            shown["Val ppl (95% CI)"] = fmt_ci(ppl, ppl_half, n, 2)
+        else:
+            shown = {
+                "Setting": setting,
+                "Variant": variant,
+                "Knobs": row["knobs"],
+                "Seeds": str(n),
+                "Val loss (95% CI)": shown["Val loss (95% CI)"],
+            }
+        shown["Failed runs"] = failures_text(failed)
+        shown[f"Δ loss vs {reference} (95% CI, method, pairs)"] = delta_text
+        display.append(shown)
+    # One family per table: every Δ of the table is a test of "no difference", corrected together.
+    adjusted = holm(row["delta_p"] for row in data)
+    used["tests"] = sum(not math.isnan(row["delta_p"]) for row in data)
+    for row, shown, p_holm in zip(data, display, adjusted):
+        row["delta_p_holm"] = p_holm
+        shown["p (Holm)"] = "" if row["variant"] == reference else fmt_p(p_holm)
+    if not used["failures"]:
+        for shown in display:
+            del shown["Failed runs"]
+    return data, display, used
+
+
+def _comparison_notes(used: dict, reference: str, display: list[dict], rows: list[dict]) -> list[str]:
+    """How the Δ column was computed, and the training budget of the compared runs."""
+    methods = used["methods"]
+    notes = []
+    if methods:
+        words = {
+            "paired t": "paired t-interval of the per-seed differences on the seeds the row shares with "
+            f"{reference} (their number is in the cell)",
+            "Welch": "Welch interval (unequal variances) where they share none",
+            "one seed": "no interval where a side has one seed",
+        }
+        notes.append(
+            f"Δ is the row − {reference} in final validation loss with a 95% interval: "
+            + "; ".join(words[m] for m in ("paired t", "Welch", "one seed") if m in methods)
+            + ". Negative Δ is better."
+        )
+    if used["tests"]:
+        notes.append(
+            f"p (Holm): the two-sided p-value of the t-test behind each Δ, Holm–Bonferroni adjusted over the "
+            f"{used['tests']} differences of this table; * marks an adjusted p below {SIGNIFICANCE:g}."
+        )
+    if used["partial"]:
+        notes.append(
+            f"Seeds differ for {', '.join(used['partial'])}: the row and {reference} finished different sets of "
+            "seeds, so Δ pairs only the seeds both have and the Seeds column counts more runs than the pairs."
+        )
+    if used["failures"]:
+        notes.append(
+            "Failed runs: runs of the row that diverged (non-finite loss) or stopped with an error; they count "
+            "in no average and are listed under Runs not counted in any average."
+        )
+    tokens = {t for t in used["tokens"] if t is not None}
+    if used["refused"]:
+        notes.append(
+            f"No Δ for {', '.join(used['refused'])}: their runs trained on another number of tokens "
+            f"than {reference}'s, so a difference would mix the method with the budget."
+        )
+    if len(tokens) == 1:
+        notes.append(f"Every run trained on {fmt_count(next(iter(tokens)))} tokens.")
+    elif len(tokens) > 1:
+        # The budget varies between settings on purpose (an axis of the grid): say so in every row.
+        for shown, row in zip(display, rows):
+            value = row.get("train_tokens")
+            shown["Train tokens"] = (
+                "—" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt_count(value)
+            )
+        notes.append(
+            "The training budget differs between rows (column Train tokens); Δ is only taken between "
+            "runs of one budget."
+        )
+    return notes
+
+
+@table("main", needs="`summary.json`")
+def main_table(ctx: Context) -> Table:
+    """Final validation loss and perplexity per variant: the mean over seeds ± the half-width of the two-sided 95%
+    Student-t interval, Δ to the baseline with its 95% interval, paired over shared seeds (Welch where the runs
+    share none) with the number of pairs, only between runs of one training budget, its p-value Holm-adjusted
+    over the table, and the runs of each variant that diverged or failed."""
+    sweep, baseline = ctx.sweep, split_variant(ctx.baseline)[0]
+    groups = group_runs(sweep.runs)
+    if not groups:
+        raise NoData("no run directories")
+    data, display, used = _comparison_rows(groups, ordered_keys(groups, baseline), baseline, with_ppl=True)
+    notes = [
+        "Mean over seeds ± half-width of the two-sided 95% Student-t interval. Only finished runs are counted.",
+        *_comparison_notes(used, baseline, display, data),
+    ]
+    data, display = with_axes(data, display, sweep)
+    notes += one_seed_note(data)
+    return Table("main", "Main comparison: final validation loss and perplexity", data, display, notes)
+
+
+def choose_metric(metrics: set[str]) -> str | None:
+    """``acc_norm`` where a task reports it, else ``acc``, else None."""
+    return "acc_norm" if "acc_norm" in metrics else "acc" if "acc" in metrics else None
+
+
+def downstream_scores(sweep: Sweep) -> tuple[pd.DataFrame, dict[str, str]]:
+    """One row per finished run × task with the chosen metric's value and lm-eval's stderr, and the metric chosen."""
+    finished = [r for r in sweep.finished() if r.eval is not None and {"task", "metric", "value"} <= set(r.eval)]
+    reported: dict[str, set[str]] = defaultdict(set)
+    for run in finished:
+        for task, metric in zip(run.eval["task"].astype(str), run.eval["metric"].astype(str)):
+            reported[task].add(metric)
+    chosen = {t: choose_metric(m) for t, m in sorted(reported.items())}
+    rows = []
+    for run in finished:
+        stderr = run.eval["stderr"] if "stderr" in run.eval else [math.nan] * len(run.eval)
+        for t, m, v, e in zip(run.eval["task"].astype(str), run.eval["metric"].astype(str), run.eval["value"], stderr):
+            if chosen.get(t) == m and not math.isnan(float(v)):
+                rows.append(
+                    {
+                        "setting": run.setting,
+                        "variant": run.variant,
+                        "seed": run.seed,
+                        "task": t,
+                        "value": float(v),
+                        "stderr": float(e) if e is not None else math.nan,
+                    }
+                )
+    return pd.DataFrame(rows, columns=["setting", "variant", "seed", "task", "value", "stderr"]), chosen
+
+
+def score_interval(values: list[float], stderrs: list[float]) -> tuple[float, float, str]:
+    """Mean accuracy and the half-width of its 95% interval: seed spread and item error combined
+    (``harness.reporting.stats.score_ci``)."""
+    return score_ci(values, stderrs)
+
+
+# Accuracy of guessing uniformly among a task's choices, by lm-eval task name (the offline suite's prefix dropped).
+# ARC's questions have three to five choices, four for all but a few; LAMBADA asks for a word, not a choice.
+CHANCE = {
+    "arc_easy": 0.25,
+    "arc_challenge": 0.25,
+    "boolq": 0.5,
+    "copa": 0.5,
+    "hellaswag": 0.25,
+    "lambada_openai": 0.0,
+    "openbookqa": 0.25,
+    "piqa": 0.5,
+    "sciq": 0.25,
+    "winogrande": 0.5,
+}
+
+
+def chance_level(task: str) -> float:
+    """The accuracy of uniform guessing on ``task`` (NaN for a task whose choices are not known here)."""
+    return CHANCE.get(task.removeprefix("offline_"), math.nan)
+
+
+def _pct(mean: float, half: float) -> str:
+    if math.isnan(mean):
+        return "—"
+    return f"{100 * mean:.1f}" if math.isnan(half) else f"{100 * mean:.1f} ± {100 * half:.1f}"
+
+
+@table("downstream", needs="`eval/table.csv`")
+def downstream_table(ctx: Context) -> Table:
+    """Accuracy per task in percent (`acc_norm` where the task reports it, else `acc`) with its 95% interval —
+    seed spread and each run's item standard error combined — the average over tasks, and a row with the
+    accuracy of uniform guessing."""
+    sweep, baseline = ctx.sweep, split_variant(ctx.baseline)[0]
+    scores, chosen = downstream_scores(sweep)
+    tasks = [t for t, m in chosen.items() if m]
+    if scores.empty or not tasks:
+        raise NoData("no finished run has eval/table.csv with acc or acc_norm")
+    groups = group_runs([r for r in sweep.finished() if r.eval is not None])
+    data, display, kinds = [], [], set()
+    for setting, variant in ordered_keys(groups, baseline):
+        mine = scores[(scores["setting"] == setting) & (scores["variant"] == variant)]
+        if mine.empty:
+            continue
+        row = {"setting": setting, "variant": variant, "seeds": int(mine["seed"].nunique())}
+        shown = {"Setting": setting, "Variant": variant, "Seeds": str(row["seeds"])}
+        for task in tasks:
+            cell = mine[mine["task"] == task]
+            mean, half, kind = score_interval(list(cell["value"]), list(cell["stderr"]))
+            kinds.add(kind)
+            row[task], row[f"{task}_ci95"] = mean, half
+            shown[task] = _pct(mean, half)
+        per_seed = mine.pivot_table(index="seed", columns="task", values="value").reindex(columns=tasks)
+        errors = mine.pivot_table(index="seed", columns="task", values="stderr", dropna=False).reindex(
+            index=per_seed.index, columns=tasks
+        )
+        complete = per_seed.dropna()
+        # Tasks draw independent items: the average's item error is the root sum of squares over T tasks, / T.
+        item_error = np.sqrt((errors.loc[complete.index] ** 2).sum(axis=1, min_count=len(tasks))) / len(tasks)
+        avg, avg_half, kind = (
+            score_interval(list(complete.mean(axis=1)), list(item_error)) if len(complete) else (math.nan, math.nan, "")
+        )
+        kinds.add(kind)
+        row["average"], row["average_ci95"] = avg, avg_half
+        shown["Average"] = _pct(avg, avg_half)
+        data.append(row)
+        display.append(shown)
+    chance = {task: chance_level(task) for task in tasks}
+    known = [v for v in chance.values() if not math.isnan(v)]
+    data.append(
+        {
+            "setting": "",
+            "variant": "chance",
+            "seeds": 0,
+            **{t: v for t, v in chance.items()},
+            "average": float(np.mean(list(chance.values()))) if len(known) == len(tasks) else math.nan,
+        }
+    )
+    display.append(
+        {
+            "Setting": "",
+            "Variant": "chance",
+            "Seeds": "—",
+            **{t: "?" if math.isnan(v) else f"{100 * v:.1f}" for t, v in chance.items()},
+            "Average": _pct(data[-1]["average"], math.nan),
+        }
+    )
+    data, display = with_axes(data, display, sweep)
+    metric_list = ", ".join(f"{t}: {m}" for t, m in chosen.items() if m)
+    words = {
+        "seeds+items": "where a row has two or more seeds, the Student-t interval over seeds and 1.96 × the root "
+        "mean square of the runs' standard errors (lm-eval's stderr over items), added in quadrature: every seed "
+        "answers the same items, so more seeds do not shrink the item error",
+        "items": "for a single seed, 1.96 × lm-eval's standard error of the run",
+        "seeds": "where the runs report no standard error, the Student-t interval over seeds alone, which leaves "
+        "out the error of the items drawn",
+    }
+    notes = [
+        "Accuracy in percent with a 95% interval: "
+        + "; ".join(words[k] for k in ("seeds+items", "items", "seeds") if k in kinds)
+        + f". Metric per task: {metric_list}. The average is over all tasks of each seed that has every task "
+        "(its item error the root sum of squares of the tasks' errors over the number of tasks), then over seeds.",
+        "The chance row is the accuracy of guessing uniformly among each task's choices"
+        + (" (? where the task's number of choices is not known)" if len(known) < len(tasks) else "")
+        + "; a score within its interval of chance shows no ability on that task.",
+    ]
+    skipped = [t for t, m in chosen.items() if not m]
+    if skipped:
+        notes.append(f"Tasks without acc or acc_norm, not shown: {', '.join(skipped)}.")
+    return Table("downstream", "Downstream accuracy", data, display, notes)
+
+
+@table("ablations", needs="runs of `ldm` or `ldm-rls`")
+def ablation_table(ctx: Context) -> Table:
+    """One row per knob setting of the variants whose base is `ldm` or `ldm-rls`, against the report's
+    `ablation_reference` (default `ldm-rls`): mean ± t-interval, Δ with its paired interval and number of pairs,
+    its p-value Holm-adjusted over the table, and the runs that diverged or failed."""
+    sweep, reference = ctx.sweep, split_variant(ctx.ablation_reference)[0]
+    runs = [r for r in sweep.runs if r.base in LDM_BASES]
+    if not runs:
+        raise NoData("no run of ldm or ldm-rls")
+    groups = group_runs(runs)
+    data, display, used = _comparison_rows(groups, ordered_keys(groups, reference), reference, with_ppl=False)
+    notes = [
+        f"Variants whose base is {' or '.join(LDM_BASES)}, against {reference}.",
+        *_comparison_notes(used, reference, display, data),
+    ]
+    data, display = with_axes(data, display, sweep)
+    notes += one_seed_note(data)
+    return Table("ablations", f"LDM ablations against {reference}", data, display, notes)
