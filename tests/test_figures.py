@@ -586,3 +586,42 @@ def test_the_registry_imports_neither_package_that_registers_into_it():
     # This module imported the report, which imports both packages: every item is registered, in order.
     assert {"main", "excluded_runs"} <= set(report_items.names("table", selectable=False))
     assert report_items.names("figure")[:2] == ("loss_curves", "final_loss")
+
+
+def test_mixing_tick_labels_are_short_and_never_overlap_at_48_layers(tmp_path, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    write_run(tmp_path / "deep", "ldm-rls", 0, _model(64, 24), rng, noise=0.0)
+    sweep = load_sweep(tmp_path)
+    fig, _ = figs.mixing_matrices(Context(sweep, colours=figs.palette(r.variant for r in sweep.runs)))
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+        shown = [t for t in labels if t.get_text()]
+        assert 2 <= len(shown) <= 13 and all(len(t.get_text()) <= 2 for t in shown)
+        boxes = [t.get_window_extent() for t in shown]
+        assert not any(a.overlaps(b) for a, b in zip(boxes, boxes[1:]))
+    assert {t.get_text() for t in ax.get_xticklabels()} >= {"e"}
+
+
+def test_learning_rate_axis_is_logarithmic_even_over_a_narrow_span(tmp_path, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    for lr in (1e-3, 2e-3, 3e-3):
+        for s in (0, 1):
+            write_run(tmp_path / f"preln-lr{lr}-s{s}", "preln", s, _model(64, 2), rng, noise=rng.normal(0, 0.01), lr=lr)
+    sweep = load_sweep(tmp_path)
+    fig, _ = figs.hyperparameters(Context(sweep, colours=figs.palette(r.variant for r in sweep.runs)))
+    assert fig.axes[0].get_xscale() == "log"
+
+
+def test_final_loss_panels_share_one_loss_scale(study):
+    fig, _ = figs.final_loss(_ctx(study))
+    limits = {tuple(round(v, 9) for v in ax.get_xlim()) for ax in fig.axes}
+    assert len(fig.axes) > 1 and len(limits) == 1
+
+
+def test_ablation_table_without_an_ablation_is_left_out_with_its_reason(tmp_path, rng_seed):
+    rng = np.random.default_rng(rng_seed)
+    for s in (0, 1):
+        write_run(tmp_path / f"ldm-rls-s{s}", "ldm-rls", s, _model(64, 2), rng, noise=rng.normal(0, 0.01))
+    with pytest.raises(NoData, match="no ablation of ldm-rls"):
+        tables.ablation_table(Context(load_sweep(tmp_path)))

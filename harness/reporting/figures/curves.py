@@ -77,5 +77,12 @@ def final_loss(ctx: Context) -> tuple[Figure, str]:
             ax.set_yticks(range(len(sub)), sub["variant"])
             ax.invert_yaxis()
             ax.set(xlabel="final validation loss", title=setting or "final validation loss")
-    caption = "Final validation loss, mean over seeds with the 95% t-interval (none drawn for a single seed)."
+        # Panels are read side by side, so they share one loss scale.
+        low, high = min(ax.get_xlim()[0] for ax in axes), max(ax.get_xlim()[1] for ax in axes)
+        for ax in axes:
+            ax.set_xlim(low, high)
+    caption = (
+        "Final validation loss, mean over seeds with the 95% t-interval (none drawn for a single seed); one loss "
+        "scale for every panel."
+    )
     return finish(fig), caption

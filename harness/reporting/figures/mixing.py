@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import seaborn as sns
@@ -26,6 +28,23 @@ def _mixing_runs(ctx: Context, keep) -> tuple[dict[str, list[Run]], list[Run], s
 def _mean_same_shape(arrays: list[np.ndarray]) -> tuple[np.ndarray, bool]:
     same = [a for a in arrays if a.shape == arrays[0].shape]
     return np.mean(same, axis=0), len(same) < len(arrays)
+
+
+MAX_TICKS = 12
+
+
+def short_labels(names: list[str]) -> list[str]:
+    """Readers and sources as tick labels: ``e`` the embedding, ``h`` the head, a layer or output by its number."""
+    short = []
+    for name in names:
+        text = str(name)
+        if text.startswith("embed"):
+            short.append("e")
+        elif text == "head":
+            short.append("h")
+        else:
+            short.append(text.rsplit(" ", 1)[-1].lstrip("v"))
+    return short
 
 
 @figure("mixing", needs="`mixing.json`")
@@ -55,8 +74,8 @@ def mixing_matrices(ctx: Context) -> tuple[Figure, str]:
         readers, sources = first.get("readers"), first.get("sources")
         frame = pd.DataFrame(
             matrix,
-            index=readers if readers and len(readers) == matrix.shape[0] else None,
-            columns=sources if sources and len(sources) == matrix.shape[1] else None,
+            index=short_labels(readers) if readers and len(readers) == matrix.shape[0] else None,
+            columns=short_labels(sources) if sources and len(sources) == matrix.shape[1] else None,
         )
         # Reader l sees only the embedding and outputs before it: the cells above the diagonal do not exist.
         mask = np.triu(np.ones(matrix.shape, dtype=bool), k=1) if matrix.shape[0] == matrix.shape[1] else None
@@ -70,8 +89,12 @@ def mixing_matrices(ctx: Context) -> tuple[Figure, str]:
             vmax=vmax,
             cbar=i == len(order) - 1,
             cbar_kws={"label": "mixing weight (shared scale)"},
+            # At most about a dozen labels per axis, whatever the depth, so they never run into each other.
+            xticklabels=max(1, math.ceil(matrix.shape[1] / MAX_TICKS)),
+            yticklabels=max(1, math.ceil(matrix.shape[0] / MAX_TICKS)),
         )
-        ax.set(xlabel="source", ylabel="reader", title=variant)
+        ax.tick_params(labelsize=7, labelrotation=0)
+        ax.set(xlabel="source (e: embedding, n: output of layer n)", ylabel="reader (h: head)", title=variant)
     caption = (
         "Depth-mixing matrices: entry (reader, source) is the weight with which a layer's input (or the "
         "head's) contains the embedding or an earlier layer's output, averaged over tokens and seeds; one "

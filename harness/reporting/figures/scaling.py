@@ -90,6 +90,9 @@ def _held_text(held: dict) -> str:
     return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in held.items())
 
 
+RATE_KEYS = {"lr", "learning_rate", "min_lr_ratio", "weight_decay"}
+
+
 @figure("hyperparameters", needs="a sweep that varies a numeric config key (learning rate, width, ...)")
 def hyperparameters(ctx: Context) -> tuple[Figure, str]:
     """Final loss against every numeric grid axis (learning rate, width, depth, ...): the axis on x, one line per
@@ -104,7 +107,9 @@ def hyperparameters(ctx: Context) -> tuple[Figure, str]:
         for ax, (name, (frame, held)) in zip(axes, slices.items()):
             _lines_with_intervals(ax, frame, ctx.colours, ctx.baseline)
             xs = sorted(frame["x"].unique())
-            if xs and xs[0] > 0 and xs[-1] / xs[0] >= 8:
+            # Learning rates are compared by ratio, as is any axis spanning more than a factor of ten.
+            rate = ctx.sweep.axis_keys.get(name, name).rsplit(".", 1)[-1] in RATE_KEYS
+            if xs and xs[0] > 0 and (rate or xs[-1] / xs[0] > 10):
                 ax.set_xscale("log")
             ax.set(xlabel=name, ylabel="final validation loss", title=name)
             if held:

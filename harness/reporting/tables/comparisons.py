@@ -358,6 +358,8 @@ def ablation_table(ctx: Context) -> Table:
     runs = [r for r in sweep.runs if r.base in LDM_BASES]
     if not runs:
         raise NoData("no run of ldm or ldm-rls")
+    if all(r.variant == reference for r in runs):
+        raise NoData(f"no ablation of {reference}: every ldm or ldm-rls run is the reference itself")
     groups = group_runs(runs)
     data, display, used = _comparison_rows(groups, ordered_keys(groups, reference), reference, with_ppl=False)
     notes = [
