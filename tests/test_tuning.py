@@ -201,3 +201,54 @@ def test_a_tuned_grid_chooses_trains_with_the_choice_and_redoes_nothing(tmp_path
     assert set(second.plan.tuning.decisions.values()) == {"done"}
     assert "tuning stage: nothing to submit." in again and "nothing to submit." in again
     assert read_json(sweep_dir / "tuning.json")["cells"][0]["chosen"] == cell["chosen"]
+
+
+# -- the report -------------------------------------------------------------------------------------------------
+
+
+def _sweep(root):
+    from harness.reporting.results import Sweep
+
+    return Sweep(root=root, runs=[])
+
+
+def test_the_report_table_states_each_choice_and_flags_the_edges(tmp_path):
+    from harness.io import atomic_write_json
+    from harness.reporting.items import Context
+    from harness.reporting.tuning import protocol_line, tuning_table
+
+    cells = [
+        {"cell": "variant=preln", "variant": "preln", "tuned": True, "state": "chosen", "chosen": 1e-3,
+         "at_edge": False, "edge": None, "metric": {"0.0005": 3.2, "0.001": 3.1, "0.002": 3.15}},
+        {"cell": "variant=ldm-rls", "variant": "ldm-rls", "tuned": True, "state": "chosen", "chosen": 2e-3,
+         "at_edge": True, "edge": "largest", "metric": {"0.0005": 3.3, "0.001": None, "0.002": 3.0}},
+        {"cell": "variant=ldm-rls(groups=1)", "variant": "ldm-rls(groups=1)", "tuned": False,
+         "from": "variant=ldm-rls", "state": "chosen", "chosen": 2e-3, "at_edge": True, "edge": "largest"},
+    ]  # fmt: skip
+    atomic_write_json(
+        tmp_path / "tuning.json",
+        {"axis": "train.lr", "values": [5e-4, 1e-3, 2e-3], "metric": "val_loss", "seeds": [0, 1], "cells": cells},
+    )
+    t = tuning_table(Context(_sweep(tmp_path)))
+    rows = t.display.to_dict("records")
+    assert [r["Variant"] for r in rows] == ["preln", "ldm-rls", "ldm-rls(groups=1)"]
+    assert [r["Chosen lr"] for r in rows] == ["0.001", "0.002", "0.002"]
+    assert rows[0]["Note"] == "" and rows[1]["Note"] == "⚠ largest value tried"
+    assert rows[1]["lr=0.001"] == "diverged" and rows[0]["lr=0.0005"] == "3.200"
+    assert rows[2]["Note"].startswith("from ldm-rls")
+    assert any("2 choice(s) at the edge" in n for n in t.notes)
+    assert list(t.data["at_edge"]) == [False, True, True]
+    assert "chosen by a tuning stage" in protocol_line(tmp_path, [1e-3])
+
+
+def test_a_sweep_without_tuning_says_so_in_one_line(tmp_path):
+    from harness.reporting.items import Context, NoData
+    from harness.reporting.tuning import protocol_line, tuning_table
+
+    line = protocol_line(tmp_path, [1.5e-3])
+    assert line == (
+        "This sweep had no tuning stage: every run trained at the learning rate in its config (0.0015), "
+        "one rate for every variant."
+    )
+    with pytest.raises(NoData, match="no tuning stage"):
+        tuning_table(Context(_sweep(tmp_path)))

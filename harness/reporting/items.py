@@ -69,7 +69,7 @@ def figure(name: str, *, needs: str):
 
 def items(kind: str) -> list[Item]:
     """Every registered item of a kind, in registration order (importing the modules that define them)."""
-    from harness.reporting import figures, tables  # noqa: F401  (registration happens on import)
+    from harness.reporting import figures, tables, tuning  # noqa: F401  (registration happens on import)
 
     return [i for i in _ITEMS.values() if i.kind == kind]
 
