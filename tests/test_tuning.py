@@ -146,7 +146,8 @@ def test_tuning_runs_validate_on_the_tune_split_without_downstream_evaluation(tm
     assert len(p.tuning.runs) == 2 * 2  # two tuned variants x two values x the first seed
     for r in p.tuning.runs:
         assert r.cfg.data.eval_split == "tune" and r.cfg.train.seed == 3 and list(r.cfg.eval.tasks) == []
-    assert not p.runs and len(p.waiting) == 6  # no value is chosen before the tuning runs end
+    assert len(p.runs) == len(p.waiting) == 6  # no value is chosen before the tuning runs end
+    assert set(p.decisions.values()) == {"waiting"} and not p.to_submit()
     ablation = p.selection["variant=ldm-rls(groups=1)"]
     assert ablation["tuned"] is False and ablation["from"] == "variant=ldm-rls"
     assert all(r.cfg.data.eval_split == "val" for r in p.waiting)
@@ -157,6 +158,18 @@ def test_a_grid_without_tune_plans_as_before(tmp_path):
     path.write_text("base: {model: {preset: tiny}}\naxes: {variant: [preln]}\n")
     p = plan(path, root=tmp_path / "r")
     assert p.tuning is None and not p.waiting and len(p.runs) == 1
+
+
+def test_paper_dry_run_shows_the_tuning_stage_and_its_cost(capsys):
+    assert main(["sweep", str(ROOT / "experiments" / "paper.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    head = out.splitlines()[0]
+    # every headline variant (eight at their defaults and three matched PreLNs) x 4 learning rates x 2 seeds
+    assert head.startswith("tuning stage: 88 run(s)") and "11 cell(s) x 4 value(s) of train.lr" in head
+    assert "(0.0005, 0.001, 0.002, 0.004) x seeds 0, 1" in head
+    assert "with tuning: 88 tuning run(s) (" in out and "main run(s)" in out and "GPU-h" in out
+    assert "tuning: variant=ldm-rls(groups=1): train.lr from the choice of variant=ldm-rls" in out
+    assert "after tuning" in out
 
 
 @pytest.mark.slow

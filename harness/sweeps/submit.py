@@ -62,7 +62,8 @@ class Plan:
     sweep_dir: Path
     parallelism: int
     decisions: dict[str, str] = field(default_factory=dict)
-    """run_id -> ``submit``, ``resume``, ``evaluate``, ``done``, ``queued``, ``failed`` (skipped) or ``retry``."""
+    """run_id -> ``submit``, ``resume``, ``evaluate``, ``done``, ``queued``, ``failed`` (skipped), ``retry`` or
+    ``waiting`` (for its cell's tuning runs)."""
     warnings: list[str] = field(default_factory=list)
     migrations: dict[str, str] = field(default_factory=dict)
     """run_id -> the folder name the same run has under the earlier id scheme, to be renamed on submission."""
@@ -71,10 +72,13 @@ class Plan:
     """Finished runs whose ``train.logger`` has not seen their metrics; the submission sends them from metrics.csv."""
     tuning: Plan | None = None
     """The tuning stage of a grid with ``tune``: its runs live in ``<sweep>/tune/``."""
-    waiting: list[GridRun] = field(default_factory=list)
-    """Runs of the grid that wait for their cell's tuning to end (their learning rate is not chosen yet)."""
     selection: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The tuning stage's entry per cell, as ``tuning.json`` holds it."""
+
+    @property
+    def waiting(self) -> list[GridRun]:
+        """Runs that wait for their cell's tuning to end: their learning rate, and so their id, is not known yet."""
+        return [r for r in self.runs if self.decisions.get(r.run_id) == "waiting"]
 
     def to_submit(self) -> list[GridRun]:
         return [r for r in self.runs if self.decisions.get(r.run_id) in ("submit", "resume", "retry", "evaluate")]
@@ -146,6 +150,7 @@ def plan(
     executor = executor or prof.executor
     parallelism = parallelism or grid.parallelism or prof.array_parallelism
     tuning_plan, waiting, entries = None, [], {}
+    ready = runs
     if grid.tune is not None:
         from harness.sweeps import tuning
 
@@ -163,17 +168,18 @@ def plan(
         )
         _decide(tuning_plan, retry_failed)
         entries = tuning.selection(grid, cell_list, by_cell, tuning_plan.sweep_dir)
-        runs, waiting = tuning.apply(grid, cell_list, entries)
-    p = Plan(grid, runs, prof, executor, sweep_dir, parallelism=parallelism, axes=axis_keys(grid))
-    p.tuning, p.waiting, p.selection = tuning_plan, waiting, entries
-    p.warnings = _check_corpus(runs + waiting) + preflight.for_executor([r.cfg for r in runs + waiting], p.executor)
-    _decide(p, retry_failed)
+        ready, waiting = tuning.apply(grid, runs, cell_list, entries)
+    p = Plan(grid, ready, prof, executor, sweep_dir, parallelism=parallelism, axes=axis_keys(grid))
+    p.tuning, p.selection = tuning_plan, entries
+    p.warnings = _check_corpus(p.runs) + preflight.for_executor([r.cfg for r in p.runs], p.executor)
+    _decide(p, retry_failed, [r for r in ready if not any(r is w for w in waiting)])
+    p.decisions.update({r.run_id: "waiting" for r in waiting})
     return p
 
 
-def _decide(p: Plan, retry_failed: bool) -> None:
-    """Each run's decision from its state on disk and its job's."""
-    sweep_dir, runs = p.sweep_dir, p.runs
+def _decide(p: Plan, retry_failed: bool, runs: list[GridRun] | None = None) -> None:
+    """Each run's decision (of ``runs``, default all of the plan's) from its state on disk and its job's."""
+    sweep_dir, runs = p.sweep_dir, p.runs if runs is None else runs
     states = {row["run_id"]: row for row in run_rows(sweep_dir, read_sweep_record(sweep_dir))}
     for r in runs:
         run_dir = sweep_dir / r.run_id
@@ -558,7 +564,9 @@ def _read_record(p: Plan) -> dict[str, Any]:
     record = read_sweep_record(p.sweep_dir)
     old = {r["run_id"]: r for r in record.get("runs", [])}
     runs, todo = [], {r.run_id for r in p.to_submit()}
-    for r in p.runs:
+    # A run waiting for its tuning has no id yet: it is recorded once its learning rate is chosen.
+    known = [r for r in p.runs if p.decisions.get(r.run_id) != "waiting"]
+    for r in known:
         entry = dict(old.get(r.run_id, {}))
         if r.run_id in todo:
             # Until its new job exists the run has none: the old job's end must not read as this run failing.
@@ -567,7 +575,7 @@ def _read_record(p: Plan) -> dict[str, Any]:
         entry.update(run_id=r.run_id, run_dir=r.run_id, variant=r.cfg.variant, overrides=r.overrides)
         runs.append(entry)
     # Runs dropped from the grid since an earlier submission stay listed: their directories still exist.
-    runs += [e for rid, e in old.items() if rid not in {r.run_id for r in p.runs}]
+    runs += [e for rid, e in old.items() if rid not in {r.run_id for r in known}]
     record.update(name=p.grid.name, grid=str(p.grid.source), axes=p.axes, runs=runs, updated=now_iso())
     record.setdefault("created", now_iso())
     record.setdefault("submissions", [])
@@ -729,22 +737,14 @@ def describe_plan(p: Plan) -> str:
         }
         for r in p.runs
     ]
-    rows += [
-        {
-            "run_id": r.run_id,
-            **{k: r.overrides.get(k, "") for k in p.axes},
-            **({lr_column[0]: "(tuned)"} if tuned else {}),
-            "action": "after tuning",
-            "steps": train_steps(r.cfg),
-            "tokens": train_steps(r.cfg) * tokens_per_step(r.cfg),
-        }
-        for r in p.waiting
-    ]
+    for row in rows:
+        if row["action"] == "waiting":
+            row.update(action="after tuning", **({lr_column[0]: "(tuned)"} if tuned else {}))
     # The columns in the order ``depthmem status`` shows them: id, grid values, what happens, then the budget.
     shown = [{**row, "tokens": units.tokens(row["tokens"])} for row in rows]
     stage = "main stage: " if tuned else ""
     lines += [
-        f"{stage}sweep {p.grid.name}: {len(p.runs) + len(p.waiting)} run(s) in {p.sweep_dir}",
+        f"{stage}sweep {p.grid.name}: {len(p.runs)} run(s) in {p.sweep_dir}",
         format_rows(shown, ["run_id", *p.axes, *lr_column, "action", "steps", "tokens"]),
     ]
     budgets = sorted({(row["steps"], row["tokens"]) for row in rows})
@@ -768,7 +768,7 @@ def describe_plan(p: Plan) -> str:
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.sweeps.estimate import describe_costs
 
-    lines.append(describe_costs(p.runs + p.waiting, pr))
+    lines.append(describe_costs(p.runs, pr))
     if p.tuning is not None:
         lines.append(_both_stages(p))
     if p.backfill:
@@ -829,7 +829,7 @@ def _both_stages(p: Plan) -> str:
     assert p.tuning is not None
     pr = p.profile
     tune = sweep_cost([r.cfg for r in p.tuning.runs], peak_tflops=pr.gpu_peak_tflops, utilisation=pr.utilisation)
-    main = sweep_cost([r.cfg for r in p.runs + p.waiting], peak_tflops=pr.gpu_peak_tflops, utilisation=pr.utilisation)
+    main = sweep_cost([r.cfg for r in p.runs], peak_tflops=pr.gpu_peak_tflops, utilisation=pr.utilisation)
 
     def total(costs, key):
         return sum(c[key] for c in costs)

@@ -207,25 +207,26 @@ def _key(value: float) -> str:
     return f"{value:g}"
 
 
-def apply(grid: Grid, cell_list: list[Cell], entries: dict) -> tuple[list[GridRun], list[GridRun]]:
-    """(runs ready to go with their cell's value, runs that wait for their cell's tuning to end)."""
+def apply(grid: Grid, runs: list[GridRun], cell_list: list[Cell], entries: dict) -> tuple[list[GridRun], list[GridRun]]:
+    """(every run in grid order, those with their cell's value; the runs that wait for their cell's tuning)."""
     assert grid.tune is not None
     field_name = grid.tune.axis.split(".", 1)[1]
-    ready, waiting = [], []
-    for cell in cell_list:
-        entry = entries[cell.label]
-        for r in cell.runs:
-            if entry["state"] == "base":
-                ready.append(r)
-            elif entry["chosen"] is None:
-                # Its id depends on the value still to be chosen, so it is shown by its grid values alone.
-                rid = run_id(r.cfg, r.overrides).rsplit("-", 1)[0] + "-(after tuning)"
-                waiting.append(GridRun(rid, r.cfg, r.overrides))
-            else:
-                train = dataclasses.replace(r.cfg.train, **{field_name: entry["chosen"]})
-                cfg = dataclasses.replace(r.cfg, train=train)
-                ready.append(GridRun(run_id(cfg, r.overrides), cfg, r.overrides))
-    return ready, waiting
+    cell_of = {id(r): cell for cell in cell_list for r in cell.runs}
+    out, waiting = [], []
+    for r in runs:
+        entry = entries[cell_of[id(r)].label]
+        if entry["state"] == "base":
+            out.append(r)
+        elif entry["chosen"] is None:
+            # Its id depends on the value still to be chosen, so it is shown by its grid values alone.
+            rid = run_id(r.cfg, r.overrides).rsplit("-", 1)[0] + "-(after tuning)"
+            waiting.append(GridRun(rid, r.cfg, r.overrides))
+            out.append(waiting[-1])
+        else:
+            train = dataclasses.replace(r.cfg.train, **{field_name: entry["chosen"]})
+            cfg = dataclasses.replace(r.cfg, train=train)
+            out.append(GridRun(run_id(cfg, r.overrides), cfg, r.overrides))
+    return out, waiting
 
 
 def write(sweep_dir: Path, grid: Grid, entries: dict) -> Path:
