@@ -265,3 +265,37 @@ def test_a_sweep_without_tuning_says_so_in_one_line(tmp_path):
     )
     with pytest.raises(NoData, match="no tuning stage"):
         tuning_table(Context(_sweep(tmp_path)))
+
+
+@pytest.mark.slow
+def test_without_waiting_a_second_submission_starts_the_runs_once_tuning_has_ended(tmp_path):
+    """The cluster route: the first submission sends only the tuning runs, the next one the grid's runs."""
+    path = tmp_path / "staged.yaml"
+    path.write_text(
+        textwrap.dedent("""
+        name: staged
+        parallelism: 2
+        base:
+          model: {preset: tiny}
+          train: {max_steps: 3, batch_size: 4, warmup_steps: 1, log_every_steps: 3, val_every_steps: 3,
+                  val_batches: 1, ckpt_every_steps: 3}
+        axes:
+          variant: [preln]
+        tune: {axis: train.lr, values: [1.0e-3, 3.0e-3], select_on: tune_split}
+        """)
+    )
+    lines: list[str] = []
+    first = sweep(path, executor="local", root=tmp_path / "r", wait=False, log=lines.append)
+    sweep_dir = tmp_path / "r" / "staged"
+    assert len(first.jobs) == 2 and all("-tune-" in rid for rid in first.jobs)
+    assert [r.run_id for r in first.plan.waiting] == ["preln-s0-(after tuning)"]
+    assert read_json(sweep_dir / "tuning.json")["cells"][0]["state"] == "tuning"
+    assert read_json(sweep_dir / "sweep.json")["runs"] == []
+    assert any("wait for their tuning runs" in ln for ln in lines)
+    for job in first.jobs.values():
+        job.wait()
+    second = sweep(path, executor="local", root=tmp_path / "r", log=lines.append, poll_s=0.5)
+    assert set(second.plan.tuning.decisions.values()) == {"done"} and not second.plan.waiting
+    (row,) = second.rows
+    chosen = read_json(sweep_dir / "tuning.json")["cells"][0]["chosen"]
+    assert row["state"] == "done" and read_config(sweep_dir / row["run_id"]).train.lr == chosen
