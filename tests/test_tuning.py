@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from cli_checks import fails
 
 from harness.cli import main
 from harness.config import build_config
@@ -125,9 +126,11 @@ def test_a_bad_tune_section_ends_the_command_in_one_sentence(tmp_path, capsys):
         tune: {axis: train.lr, values: [1e-3, 2e-3], select_on: val}
         """)
     )
-    assert main(["sweep", str(path), "--dry-run", "--results", str(tmp_path / "r")]) != 0
-    err = capsys.readouterr().err.strip()
-    assert "tune.select_on" in err and "allowed: tune_split" in err and "Traceback" not in err
+    line = fails(capsys, ["sweep", str(path), "--dry-run", "--results", str(tmp_path / "r")])
+    assert "tune.select_on" in line and line.endswith("allowed: tune_split.")
+    path.write_text(path.read_text().replace("select_on: val", "select_on: tune_split"))
+    line = fails(capsys, ["sweep", str(path), "--dry-run", "--results", str(tmp_path / "r"), "train.lr=1e-3,2e-3"])
+    assert "train.lr is tuned in" in line and "also varied" in line
 
 
 # -- the stages ------------------------------------------------------------------------------------------------
