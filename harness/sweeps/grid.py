@@ -199,7 +199,7 @@ def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str 
     return grid
 
 
-def _listed(value: Any, what: str, source: str, kind: type, allowed: str) -> list:
+def _listed(value: Any, what: str, source: str, kind: type | tuple[type, ...], allowed: str) -> list:
     if not isinstance(value, list) or not value:
         raise UsageError(f"tune.{what} in {source} must be a non-empty list of {allowed}, got {value!r}.")
     for v in value:
@@ -235,10 +235,7 @@ def parse_tune(data: Any, source: str) -> Tune | None:
         if key not in data:
             raise UsageError(f"tune in {source} needs {key!r} (it has {', '.join(map(str, data)) or 'no keys'}).")
     axis = _one_of(data["axis"], "axis", TUNE_AXES, source)
-    values = [
-        float(v) if isinstance(v, str) else v
-        for v in _listed(_numbers(data["values"]), "values", source, (int, float), "positive numbers")
-    ]
+    values = _listed(_numbers(data["values"]), "values", source, (int, float), "positive numbers")
     if any(not 0 < v < float("inf") for v in values):
         raise UsageError(f"tune.values in {source} must be positive finite numbers, got {values!r}.")
     if len(values) < 2:
@@ -324,9 +321,11 @@ def grid_name(path: str | Path) -> str:
     loading the variants (and torch) that checking a report baseline takes."""
     path = Path(path)
     data = read_yaml(path, "grid file")
-    if not isinstance(data, dict) or not isinstance(data.get("report"), dict):
+    if not isinstance(data, dict) or not isinstance(data.get("report"), dict) and "tune" not in data:
         return load_grid(path).name
-    return parse_grid({k: v for k, v in data.items() if k != "report"}, source=str(path), default_name=path.stem).name
+    # Checking the report's baseline or the tuned variants would load the variants; the name needs neither.
+    shape = {k: v for k, v in data.items() if k not in ("report", "tune")}
+    return parse_grid(shape, source=str(path), default_name=path.stem).name
 
 
 def combinations(grid: Grid) -> list[dict[str, Any]]:
