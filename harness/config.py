@@ -79,6 +79,9 @@ def model_preset(name: str, **overrides: Any) -> ModelConfig:
         raise UsageError(f"Bad model settings for preset {name!r}: {e}.") from None
 
 
+EVAL_SPLITS = ("val", "tune")
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     """Where training tokens come from."""
@@ -89,6 +92,10 @@ class DataConfig:
     """``auto`` (GPT-2 BPE when the vocabulary is 50257, else a byte-level BPE of that size), ``gpt2`` or ``bpe``."""
     val_fraction: float = 0.05
     """Share of the documents held out for validation (by document, deterministically)."""
+    eval_split: str = "val"
+    """What a run validates on: ``val`` (the held-out split the report's tables show) or ``tune`` (a further
+    ``val_fraction`` share carved from the training stream, which the run then does not train on; for choosing
+    a learning rate without touching ``val``)."""
     cache_dir: str = ""
     """Where tokenized corpora and trained tokenizers are cached; empty means ``$DEPTHMEM_CACHE`` or
     ``~/.cache/depthmem``."""
@@ -98,6 +105,8 @@ class DataConfig:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.tokenizer not in ("auto", "gpt2", "bpe"):
             raise ValueError(f"data.tokenizer must be one of auto, gpt2, bpe, got {self.tokenizer!r}")
+        if self.eval_split not in EVAL_SPLITS:
+            raise ValueError(f"data.eval_split must be one of {', '.join(EVAL_SPLITS)}, got {self.eval_split!r}")
 
 
 # Lightning's precision names (its ``_PRECISION_INPUT_STR`` and aliases) and ours, ``auto``; kept here so a config

@@ -102,7 +102,15 @@ def identity(cfg: RunConfig, *, with_seed: bool = True) -> dict[str, Any]:
             d[section] = {k: v for k, v in d[section].items() if k not in keys}
     if not with_seed:
         d["train"].pop("seed", None)
+    _drop_default_split(d)
     return d
+
+
+def _drop_default_split(d: dict[str, Any]) -> None:
+    # Runs validated on ``val`` hashed the same before ``data.eval_split`` existed; leaving the default out keeps
+    # their ids (and their folders) unchanged.
+    if d.get("data", {}).get("eval_split") == "val":
+        del d["data"]["eval_split"]
 
 
 def config_hash(cfg: RunConfig, *, with_seed: bool = False) -> str:
@@ -118,6 +126,7 @@ def legacy_config_hash(cfg: RunConfig) -> str:
     d.pop("name", None)
     d.pop("slurm", None)
     d["train"] = {k: v for k, v in d["train"].items() if k != "seed"}
+    _drop_default_split(d)
     return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
@@ -136,6 +145,7 @@ AXIS_LABELS = {
     "train.precision": "",
     "train.seq_len": "seq",
     "data.corpus": "",
+    "data.eval_split": "",
     "data.tokenizer": "tok",
     "model.vocab_size": "vocab",
 }

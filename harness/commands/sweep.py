@@ -172,7 +172,9 @@ def run(args) -> int:
     waited = args.wait if args.wait is not None else sub.plan.executor == "local"
     if waited:
         print(format_rows(sub.rows, ["run_id", *axis_columns(sub.rows), *RESULT_COLUMNS]))
-        return 0 if all(r["state"] == "done" for r in sub.rows) else 1
+        if sub.plan.waiting:
+            print(f"{len(sub.plan.waiting)} run(s) have no tuned learning rate yet (see tuning.json).")
+        return 0 if all(r["state"] == "done" for r in sub.rows) and not sub.plan.waiting else 1
     print(
         f"follow it with: depthmem status {sub.plan.grid.name}"
         + (f" --results {args.results}" if args.results else "")

@@ -6,6 +6,12 @@ split depends on nothing but the names. Its tokens are cached per tokenizer. A s
 uint32 token files read through ``np.memmap`` and an ``index.json``; its last ``val_fraction`` of tokens,
 starting at a document boundary, is the validation part.
 
+A run with ``data.eval_split=tune`` validates on a tuning split instead, carved from the training stream the same
+way (the next ``val_fraction`` share of the training documents by hash; for a shard folder the last
+``val_fraction`` of the training tokens, from a document boundary), and trains on what is left. The validation
+split is then untouched, and no training window of that run reaches a tuning token. Runs on ``val`` train on the
+whole training stream, as they always did.
+
 Training windows are drawn uniformly from the training tokens by a generator keyed by (seed, step), so a batch
 depends on nothing but the seed and the step: resumed and multi-process runs see exactly the same data.
 """
@@ -158,11 +164,15 @@ class Tokens:
 
 @dataclass
 class TokenData:
-    """Training and validation tokens of one corpus under one tokenizer."""
+    """Training and validation tokens of one corpus under one tokenizer.
+
+    ``val`` is what the run validates on: the validation split, or the tuning split under ``data.eval_split=tune``
+    (``split`` says which), so the training loop reads one field whichever it is."""
 
     train: Tokens
     val: Tokens
     eot_id: int
+    split: str = "val"
 
 
 def _shakespeare_tokens(cfg, tok) -> dict[str, np.ndarray]:
@@ -187,11 +197,22 @@ def _shakespeare_tokens(cfg, tok) -> dict[str, np.ndarray]:
 
 
 def load_tokens(cfg, tok) -> TokenData:
-    """Training and validation tokens for ``data.corpus`` under ``tok``."""
+    """Training and validation tokens for ``data.corpus`` under ``tok``; under ``data.eval_split=tune`` the
+    training tokens less the tuning split, and the tuning split in place of the validation one."""
+    tune = getattr(cfg.data, "eval_split", "val") == "tune"
     if not is_shard_corpus(cfg.data.corpus):
         per_doc = _shakespeare_tokens(cfg, tok)
         train, val = split_names(per_doc, cfg.data.val_fraction)
-        return TokenData(Tokens([per_doc[n] for n in train]), Tokens([per_doc[n] for n in val]), tok.eot_id)
+        if tune:
+            if len(train) < 2:
+                raise UsageError(
+                    f"The corpus {cfg.data.corpus!r} has {len(train)} training document(s), too few to hold out "
+                    "a tuning split; lower data.val_fraction or use data.eval_split=val."
+                )
+            train, val = split_names(train, cfg.data.val_fraction)
+        return TokenData(
+            Tokens([per_doc[n] for n in train]), Tokens([per_doc[n] for n in val]), tok.eot_id, cfg.data.eval_split
+        )
     folder = Path(cfg.data.corpus)
     index = read_index(folder)
     parts = []
@@ -206,17 +227,25 @@ def load_tokens(cfg, tok) -> TokenData:
                 f"{shard['tokens']}: prepare the folder again."
             )
         parts.append(arr)
-    every = Tokens(parts)
-    cut = int(len(every) * (1 - cfg.data.val_fraction))
-    boundary = every.find(index["eot_id"], cut)
+    train, val = _tail_split(Tokens(parts), cfg.data.val_fraction, index["eot_id"])
+    if tune:
+        train, val = _tail_split(train, cfg.data.val_fraction, index["eot_id"])
+    return TokenData(train, val, index["eot_id"], cfg.data.eval_split)
+
+
+def _tail_split(every: Tokens, fraction: float, eot_id: int) -> tuple[Tokens, Tokens]:
+    """(head, tail) of a token stream: the tail is its last ``fraction``, starting after a document's end."""
+    cut = int(len(every) * (1 - fraction))
+    boundary = every.find(eot_id, cut)
     cut = boundary + 1 if 0 <= boundary < len(every) - 1 else cut
-    return TokenData(every.slice(0, cut), every.slice(cut, len(every)), index["eot_id"])
+    return every.slice(0, cut), every.slice(cut, len(every))
 
 
 # -- batches --------------------------------------------------------------------------------------------------
 def check_sizes(data: TokenData, seq_len: int, *, need_val: bool) -> None:
     """Raise a usage error when a split is too short for one window of ``seq_len + 1`` tokens."""
-    for name, part in (("training", data.train), ("validation", data.val)):
+    held_out = "tuning" if data.split == "tune" else "validation"
+    for name, part in (("training", data.train), (held_out, data.val)):
         if (name == "training" or need_val) and len(part) < seq_len + 2:
             raise UsageError(
                 f"The {name} split has {len(part)} tokens, fewer than one window of {seq_len + 1}; "

@@ -71,7 +71,7 @@ def items(kind: str) -> list[Item]:
     """Every registered item of a kind, in registration order.
 
     Items register when the modules that define them are imported (``harness.reporting.report`` imports the
-    figures and tables packages); this module imports neither, so they can import it.
+    figures, tables and tuning modules); this module imports none of them, so they can import it.
     """
     return [i for i in _ITEMS.values() if i.kind == kind]
 

@@ -280,6 +280,8 @@ def load_sweep(root: str | Path) -> Sweep:
                 continue  # already noted as unreadable
             notes.append(f"Skipped {d.relative_to(root)}: its config.json holds no mapping.")
             continue
+        if (config.get("data") or {}).get("eval_split") == "tune":
+            continue  # a tuning run validated on the tuning split: the tuning table reports it, no average does
         rel = d.relative_to(root).as_posix() or "."
         spec = str(config.get("variant", "preln"))
         variant, base, knobs = split_variant(spec, notes)

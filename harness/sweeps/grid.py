@@ -5,7 +5,9 @@ crossed as a product), ``zip`` (groups of keys whose lists vary together, each g
 product), ``exclude`` (partial assignments whose matching combinations are dropped; a list of values under a key
 matches any one of them, so one entry can keep the extra seeds of the headline rows from a whole ablation list)
 and ``include`` (extra runs, each a set of overrides on the base). Optional ``name`` (default: the file's stem),
-``profile`` (the default resource profile) and ``parallelism`` (most runs at once). Every run is built as
+``profile`` (the default resource profile), ``parallelism`` (most runs at once) and ``tune`` (a learning-rate
+tuning stage run before the grid: ``{axis: train.lr, values: [...], select_on: tune_split}``, optionally
+``seeds``, ``metric`` and ``variants``; see ``harness.sweeps.tuning``). Every run is built as
 ``build_config`` builds it and its variant checked against its model size before anything is submitted, so a bad
 grid fails as one sentence.
 """
@@ -23,7 +25,23 @@ from harness.errors import UsageError, did_you_mean
 from harness.rundir import run_id
 from harness.training import budget
 
-GRID_KEYS = ("name", "description", "profile", "parallelism", "base", "axes", "zip", "include", "exclude", "report")
+GRID_KEYS = (
+    "name",
+    "description",
+    "profile",
+    "parallelism",
+    "base",
+    "axes",
+    "zip",
+    "include",
+    "exclude",
+    "tune",
+    "report",
+)
+TUNE_KEYS = ("axis", "values", "select_on", "metric", "seeds", "variants")
+TUNE_AXES = ("train.lr",)
+TUNE_SELECT_ON = ("tune_split",)
+TUNE_METRICS = ("val_loss",)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -34,6 +52,20 @@ class GridRun:
     run_id: str
     cfg: RunConfig
     overrides: dict[str, Any]
+
+
+@dataclass
+class Tune:
+    """A grid's tuning stage: the values of one key tried per cell of the grid, the best kept for its runs."""
+
+    axis: str
+    values: list[float]
+    select_on: str = "tune_split"
+    metric: str = "val_loss"
+    seeds: list[int] | None = None
+    """Seeds of the tuning runs; None means each cell's first seed in the grid."""
+    variants: list[str] | None = None
+    """The variants tuned; None means every one. Another variant takes its family's choice (see tuning.py)."""
 
 
 @dataclass
@@ -52,6 +84,7 @@ class Grid:
     description: str = ""
     baseline: str = "preln"
     """The variant a per-parameter token budget is counted against (the grid's ``report.baseline``)."""
+    tune: Tune | None = None
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +180,8 @@ def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str 
                         f"exclude in {source} gives {key}={value!r}, which is not one of its values; "
                         f"allowed: {', '.join(str(v) for v in values[str(key)])}."
                     )
-    return Grid(
+    tune = parse_tune(data.get("tune"), source)
+    grid = Grid(
         name=name,
         source=source,
         base=_mapping(data.get("base"), "base", source),
@@ -159,7 +193,107 @@ def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str 
         parallelism=parallelism,
         description=str(data.get("description") or ""),
         baseline=_baseline(data.get("report"), source),
+        tune=tune,
     )
+    check_tune(grid)
+    return grid
+
+
+def _listed(value: Any, what: str, source: str, kind: type | tuple[type, ...], allowed: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise UsageError(f"tune.{what} in {source} must be a non-empty list of {allowed}, got {value!r}.")
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, kind):
+            raise UsageError(f"tune.{what} in {source} must hold only {allowed}; {v!r} is not one.")
+    if len({repr(v) for v in value}) != len(value):
+        raise UsageError(f"tune.{what} in {source} names a value twice; each value is tried once.")
+    return list(value)
+
+
+def _one_of(value: Any, what: str, allowed: tuple[str, ...], source: str) -> str:
+    if value not in allowed:
+        raise UsageError(f"tune.{what} in {source} is {value!r}; allowed: {', '.join(allowed)}.")
+    return value
+
+
+def parse_tune(data: Any, source: str) -> Tune | None:
+    """The grid's ``tune`` mapping, checked: one sentence naming the allowed values for anything wrong."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise UsageError(
+            f"tune in {source} must be a mapping such as {{axis: train.lr, values: [1e-3, 2e-3], "
+            f"select_on: tune_split}}, not {type(data).__name__}."
+        )
+    for key in data:
+        if key not in TUNE_KEYS:
+            raise UsageError(
+                f"Unknown key {key!r} under tune in {source}.{did_you_mean(str(key), TUNE_KEYS)} "
+                f"Allowed keys: {', '.join(TUNE_KEYS)}."
+            )
+    for key in ("axis", "values", "select_on"):
+        if key not in data:
+            raise UsageError(f"tune in {source} needs {key!r} (it has {', '.join(map(str, data)) or 'no keys'}).")
+    axis = _one_of(data["axis"], "axis", TUNE_AXES, source)
+    values = _listed(_numbers(data["values"]), "values", source, (int, float), "positive numbers")
+    if any(not 0 < v < float("inf") for v in values):
+        raise UsageError(f"tune.values in {source} must be positive finite numbers, got {values!r}.")
+    if len(values) < 2:
+        raise UsageError(f"tune.values in {source} has one value; tuning chooses among at least two.")
+    seeds = data.get("seeds")
+    if seeds is not None:
+        seeds = _listed(seeds, "seeds", source, int, "integer seeds")
+    variants = data.get("variants")
+    if variants is not None:
+        variants = [str(v) for v in _listed(variants, "variants", source, str, "variant names")]
+    return Tune(
+        axis=axis,
+        values=sorted(values),
+        select_on=_one_of(data["select_on"], "select_on", TUNE_SELECT_ON, source),
+        metric=_one_of(data.get("metric", "val_loss"), "metric", TUNE_METRICS, source),
+        seeds=seeds,
+        variants=variants,
+    )
+
+
+def _numbers(values: Any) -> Any:
+    # YAML reads 1e-3 (no dot) as text; a value that reads as a number is one.
+    if not isinstance(values, list):
+        return values
+    out = []
+    for v in values:
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                pass
+        out.append(v)
+    return out
+
+
+def check_tune(grid: Grid) -> None:
+    """Refuse a tuned key that the grid also varies, and a tuned variant the grid does not run."""
+    if grid.tune is None:
+        return
+    key = grid.tune.axis
+    varied = list(grid.axes) + [k for g in grid.zips for k in g] + [str(k) for e in grid.include for k in e]
+    if key in varied:
+        raise UsageError(
+            f"{key} is tuned in {grid.source} and also varied by an axis, zip group or include; each "
+            "variant's value comes from the tuning stage, so drop it from one of them."
+        )
+    if grid.tune.variants:
+        ran = [str(v) for v in grid.axes.get("variant", [])] + [
+            str(e["variant"]) for e in grid.include if "variant" in e
+        ]
+        ran += [str(v) for g in grid.zips for v in g.get("variant", [])]
+        ran = ran or [str(grid.base.get("variant", "preln"))]
+        for v in grid.tune.variants:
+            if not any(_same(v, r) for r in ran):
+                raise UsageError(
+                    f"tune.variants in {grid.source} names {v!r}, which the grid does not run; "
+                    f"allowed: {', '.join(ran) or 'the variants of the grid'}."
+                )
 
 
 def _baseline(report: Any, source: str) -> str:
@@ -187,9 +321,11 @@ def grid_name(path: str | Path) -> str:
     loading the variants (and torch) that checking a report baseline takes."""
     path = Path(path)
     data = read_yaml(path, "grid file")
-    if not isinstance(data, dict) or not isinstance(data.get("report"), dict):
+    if not isinstance(data, dict) or not isinstance(data.get("report"), dict) and "tune" not in data:
         return load_grid(path).name
-    return parse_grid({k: v for k, v in data.items() if k != "report"}, source=str(path), default_name=path.stem).name
+    # Checking the report's baseline or the tuned variants would load the variants; the name needs neither.
+    shape = {k: v for k, v in data.items() if k not in ("report", "tune")}
+    return parse_grid(shape, source=str(path), default_name=path.stem).name
 
 
 def combinations(grid: Grid) -> list[dict[str, Any]]:

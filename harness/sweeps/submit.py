@@ -31,7 +31,7 @@ from harness import preflight, tracking, units
 from harness.errors import DepthmemError, UsageError
 from harness.io import atomic_write_json, remove_stale_temps, writable_dir
 from harness.rundir import legacy_run_id, now_iso, read_status, read_sweep_record, write_config, write_status
-from harness.sweeps.grid import Grid, GridRun, axis_keys, expand, load_grid
+from harness.sweeps.grid import Grid, GridRun, axis_keys, check_tune, expand, load_grid
 from harness.sweeps.job import RunJob, pending_tasks
 from harness.sweeps.jobstate import default_root, format_rows, run_rows, stop_local, sweep_status
 from harness.sweeps.profiles import EXECUTORS, Profile, load_profile
@@ -62,13 +62,23 @@ class Plan:
     sweep_dir: Path
     parallelism: int
     decisions: dict[str, str] = field(default_factory=dict)
-    """run_id -> ``submit``, ``resume``, ``evaluate``, ``done``, ``queued``, ``failed`` (skipped) or ``retry``."""
+    """run_id -> ``submit``, ``resume``, ``evaluate``, ``done``, ``queued``, ``failed`` (skipped), ``retry`` or
+    ``waiting`` (for its cell's tuning runs)."""
     warnings: list[str] = field(default_factory=list)
     migrations: dict[str, str] = field(default_factory=dict)
     """run_id -> the folder name the same run has under the earlier id scheme, to be renamed on submission."""
     axes: list[str] = field(default_factory=list)
     backfill: list[str] = field(default_factory=list)
     """Finished runs whose ``train.logger`` has not seen their metrics; the submission sends them from metrics.csv."""
+    tuning: Plan | None = None
+    """The tuning stage of a grid with ``tune``: its runs live in ``<sweep>/tune/``."""
+    selection: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The tuning stage's entry per cell, as ``tuning.json`` holds it."""
+
+    @property
+    def waiting(self) -> list[GridRun]:
+        """Runs that wait for their cell's tuning to end: their learning rate, and so their id, is not known yet."""
+        return [r for r in self.runs if self.decisions.get(r.run_id) == "waiting"]
 
     def to_submit(self) -> list[GridRun]:
         return [r for r in self.runs if self.decisions.get(r.run_id) in ("submit", "resume", "retry", "evaluate")]
@@ -133,19 +143,43 @@ def plan(
     grid = load_grid(grid_file)
     if overrides:
         apply_overrides(grid, overrides)
+        check_tune(grid)
     prof = load_profile(profile or grid.profile)
     runs = expand(grid, defaults=prof.config_layer())
     sweep_dir = Path(root or default_root()) / grid.name
-    p = Plan(
-        grid,
-        runs,
-        prof,
-        executor or prof.executor,
-        sweep_dir,
-        parallelism=parallelism or grid.parallelism or prof.array_parallelism,
-        axes=axis_keys(grid),
-    )
-    p.warnings = _check_corpus(runs) + preflight.for_executor([r.cfg for r in runs], p.executor)
+    executor = executor or prof.executor
+    parallelism = parallelism or grid.parallelism or prof.array_parallelism
+    tuning_plan, waiting, entries = None, [], {}
+    ready = runs
+    if grid.tune is not None:
+        from harness.sweeps import tuning
+
+        cell_list = tuning.cells(grid, runs)
+        by_cell = tuning.expand_tuning(grid, cell_list, defaults=prof.config_layer())
+        tune_runs = [r for rs in by_cell.values() for r in rs]
+        tuning_plan = Plan(
+            grid,
+            tune_runs,
+            prof,
+            executor,
+            sweep_dir / tuning.TUNE_DIR,
+            parallelism=parallelism,
+            axes=[*axis_keys(grid), grid.tune.axis, "data.eval_split"],
+        )
+        _decide(tuning_plan, retry_failed)
+        entries = tuning.selection(grid, cell_list, by_cell, tuning_plan.sweep_dir)
+        ready, waiting = tuning.apply(grid, runs, cell_list, entries)
+    p = Plan(grid, ready, prof, executor, sweep_dir, parallelism=parallelism, axes=axis_keys(grid))
+    p.tuning, p.selection = tuning_plan, entries
+    p.warnings = _check_corpus(p.runs) + preflight.for_executor([r.cfg for r in p.runs], p.executor)
+    _decide(p, retry_failed, [r for r in ready if not any(r is w for w in waiting)])
+    p.decisions.update({r.run_id: "waiting" for r in waiting})
+    return p
+
+
+def _decide(p: Plan, retry_failed: bool, runs: list[GridRun] | None = None) -> None:
+    """Each run's decision (of ``runs``, default all of the plan's) from its state on disk and its job's."""
+    sweep_dir, runs = p.sweep_dir, p.runs if runs is None else runs
     states = {row["run_id"]: row for row in run_rows(sweep_dir, read_sweep_record(sweep_dir))}
     for r in runs:
         run_dir = sweep_dir / r.run_id
@@ -169,7 +203,6 @@ def plan(
             p.decisions[r.run_id] = "resume"
         else:
             p.decisions[r.run_id] = "submit"
-    return p
 
 
 def split_choices(text: str) -> list[str]:
@@ -360,7 +393,7 @@ def sweep(
     if p.warnings:
         raise UsageError(f"Cannot submit {p.grid.source}: {p.warnings[0]}")
     check_executor(p.executor, p.profile)
-    todo_count = len(p.to_submit())
+    todo_count = len(p.to_submit()) + (len(p.tuning.to_submit()) if p.tuning else 0)
     if p.executor == "local" and p.profile.executor == "slurm" and todo_count > LOCAL_RUNS_WITHOUT_ASKING and not yes:
         raise UsageError(
             f"{p.grid.source} is a cluster grid (profile {p.profile.name!r}) and {todo_count} runs "
@@ -380,7 +413,8 @@ def sweep(
         ) from None
     try:
         # The lock is held, so the decisions are made again now that no other submission can change them.
-        p = plan(
+        replan = functools.partial(
+            plan,
             grid_file,
             executor=p.executor,
             profile=profile,
@@ -389,38 +423,72 @@ def sweep(
             parallelism=parallelism,
             overrides=overrides,
         )
-        _migrate(p, log)
+        p = replan()
+        jobs: dict[str, Any] = {}
+        if p.tuning is not None:
+            tuned = _run_stage(p.tuning, lambda m: log(f"tuning stage: {m}"), wait, poll_s)
+            jobs.update(tuned)
+            if tuned and wait:
+                p = replan()  # the tuning runs have ended: their cells' values can be chosen now
+            _write_tuning(p, log)
         sub = Submission(p)
-        _announce(p, log)
-        _backfill(p, log)
-        todo = p.to_submit()
-        for r in todo:
-            run_dir = p.sweep_dir / r.run_id
-            write_config(run_dir, r.cfg)  # evaluation settings may have changed since it trained
-            decision = p.decisions[r.run_id]
-            if decision in ("submit", "retry"):
-                write_status(run_dir, "pending", message="submitted", submitted=now_iso(), cancelled=None)
-            elif decision == "resume":
-                step = read_status(run_dir).get("ckpt_step") or 0
-                write_status(
-                    run_dir,
-                    "pending",
-                    message=f"submitted; resumes from step {step}",
-                    submitted=now_iso(),
-                    cancelled=None,
-                )
-        record = _read_record(p)
-        _save_record(p, record, {})
-        if p.executor == "local" and wait:
-            sub.jobs = _run_local_window(p, todo, record, log, poll_s)
-        else:
-            sub.jobs = _submit_arrays(p, todo, record, log)
-            if wait:
-                _wait(p, sub.jobs, poll_s)
+        jobs.update(_run_stage(p, log, wait, poll_s))
+        sub.jobs = jobs
         sub.rows = sweep_status(p.sweep_dir)
         return sub
     finally:
         lock.release()
+
+
+def _run_stage(p: Plan, log, wait: bool, poll_s: float) -> dict[str, Any]:
+    """Submit one stage's unfinished runs (and with ``wait``, wait for them); returns their jobs by run id."""
+    writable_dir(p.sweep_dir, "sweep folder")
+    _migrate(p, log)
+    _announce(p, log)
+    _backfill(p, log)
+    todo = p.to_submit()
+    for r in todo:
+        run_dir = p.sweep_dir / r.run_id
+        write_config(run_dir, r.cfg)  # evaluation settings may have changed since it trained
+        decision = p.decisions[r.run_id]
+        if decision in ("submit", "retry"):
+            write_status(run_dir, "pending", message="submitted", submitted=now_iso(), cancelled=None)
+        elif decision == "resume":
+            step = read_status(run_dir).get("ckpt_step") or 0
+            write_status(
+                run_dir,
+                "pending",
+                message=f"submitted; resumes from step {step}",
+                submitted=now_iso(),
+                cancelled=None,
+            )
+    record = _read_record(p)
+    _save_record(p, record, {})
+    if p.executor == "local" and wait:
+        return _run_local_window(p, todo, record, log, poll_s)
+    jobs = _submit_arrays(p, todo, record, log)
+    if wait:
+        _wait(p, jobs, poll_s)
+    return jobs
+
+
+def _write_tuning(p: Plan, log) -> None:
+    """Write tuning.json and say which cells still wait for their tuning runs, and why."""
+    from harness.sweeps import tuning
+
+    tuning.write(p.sweep_dir, p.grid, p.selection)
+    for entry in p.selection.values():
+        if entry["tuned"] and entry["state"] == "chosen":
+            edge = f" (at the {entry['edge']} value tried)" if entry["at_edge"] else ""
+            log(f"tuning stage: {entry['cell']}: {p.grid.tune.axis}={entry['chosen']:g}{edge}")
+    blocked = [e for e in p.selection.values() if e["tuned"] and e["state"] != "chosen"]
+    for entry in blocked:
+        log(f"tuning stage: {entry['cell']} has no {p.grid.tune.axis} yet: {entry['reason']}")
+    if p.waiting:
+        log(
+            f"{len(p.waiting)} run(s) wait for their tuning runs to end; `depthmem sweep {p.grid.source}` "
+            "submits them then, redoing nothing that has finished"
+        )
 
 
 def _backfill(p: Plan, log) -> None:
@@ -496,7 +564,9 @@ def _read_record(p: Plan) -> dict[str, Any]:
     record = read_sweep_record(p.sweep_dir)
     old = {r["run_id"]: r for r in record.get("runs", [])}
     runs, todo = [], {r.run_id for r in p.to_submit()}
-    for r in p.runs:
+    # A run waiting for its tuning has no id yet: it is recorded once its learning rate is chosen.
+    known = [r for r in p.runs if p.decisions.get(r.run_id) != "waiting"]
+    for r in known:
         entry = dict(old.get(r.run_id, {}))
         if r.run_id in todo:
             # Until its new job exists the run has none: the old job's end must not read as this run failing.
@@ -505,7 +575,7 @@ def _read_record(p: Plan) -> dict[str, Any]:
         entry.update(run_id=r.run_id, run_dir=r.run_id, variant=r.cfg.variant, overrides=r.overrides)
         runs.append(entry)
     # Runs dropped from the grid since an earlier submission stay listed: their directories still exist.
-    runs += [e for rid, e in old.items() if rid not in {r.run_id for r in p.runs}]
+    runs += [e for rid, e in old.items() if rid not in {r.run_id for r in known}]
     record.update(name=p.grid.name, grid=str(p.grid.source), axes=p.axes, runs=runs, updated=now_iso())
     record.setdefault("created", now_iso())
     record.setdefault("submissions", [])
@@ -653,21 +723,29 @@ def _wait(p: Plan, jobs: dict[str, Any], poll_s: float) -> None:
 def describe_plan(p: Plan) -> str:
     """The dry-run text: every run with its grid values and decision, then the resources each job asks for."""
 
+    lines = _describe_tuning(p) if p.tuning is not None else []
+    tuned = p.grid.tune is not None
+    lr_column = [p.grid.tune.axis] if tuned else []
     rows = [
         {
             "run_id": r.run_id,
             **{k: r.overrides.get(k, "") for k in p.axes},
+            **({lr_column[0]: f"{r.cfg.train.lr:g}"} if tuned else {}),
             "action": p.decisions.get(r.run_id),
             "steps": train_steps(r.cfg),
             "tokens": train_steps(r.cfg) * tokens_per_step(r.cfg),
         }
         for r in p.runs
     ]
+    for row in rows:
+        if row["action"] == "waiting":
+            row.update(action="after tuning", **({lr_column[0]: "(tuned)"} if tuned else {}))
     # The columns in the order ``depthmem status`` shows them: id, grid values, what happens, then the budget.
     shown = [{**row, "tokens": units.tokens(row["tokens"])} for row in rows]
-    lines = [
-        f"sweep {p.grid.name}: {len(p.runs)} run(s) in {p.sweep_dir}",
-        format_rows(shown, ["run_id", *p.axes, "action", "steps", "tokens"]),
+    stage = "main stage: " if tuned else ""
+    lines += [
+        f"{stage}sweep {p.grid.name}: {len(p.runs)} run(s) in {p.sweep_dir}",
+        format_rows(shown, ["run_id", *p.axes, *lr_column, "action", "steps", "tokens"]),
     ]
     budgets = sorted({(row["steps"], row["tokens"]) for row in rows})
     if len(budgets) == 1:
@@ -691,6 +769,8 @@ def describe_plan(p: Plan) -> str:
     from harness.sweeps.estimate import describe_costs
 
     lines.append(describe_costs(p.runs, pr))
+    if p.tuning is not None:
+        lines.append(_both_stages(p))
     if p.backfill:
         loggers = sorted({r.cfg.train.logger for r in p.runs if r.run_id in p.backfill})
         lines.append(
@@ -704,6 +784,63 @@ def describe_plan(p: Plan) -> str:
         )
     lines += [f"warning: {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def _describe_tuning(p: Plan) -> list[str]:
+    """The dry run's tuning block: the protocol, each tuning run with its decision, their cost and the choices."""
+    from harness.sweeps.estimate import describe_costs
+
+    t, tp = p.grid.tune, p.tuning
+    assert t is not None and tp is not None
+    tuned = [e for e in p.selection.values() if e["tuned"]]
+    seeds = f"seeds {', '.join(map(str, t.seeds))}" if t.seeds else "1 seed (each cell's first)"
+    rows = [
+        {
+            "run_id": r.run_id,
+            **{k: r.overrides.get(k, "") for k in tp.axes},
+            "action": tp.decisions.get(r.run_id),
+            "steps": train_steps(r.cfg),
+            "tokens": units.tokens(train_steps(r.cfg) * tokens_per_step(r.cfg)),
+        }
+        for r in tp.runs
+    ]
+    lines = [
+        f"tuning stage: {len(tp.runs)} run(s) in {tp.sweep_dir}: {len(tuned)} cell(s) x {len(t.values)} value(s) "
+        f"of {t.axis} ({', '.join(f'{v:g}' for v in t.values)}) x {seeds}, each validated on the tuning split "
+        f"(data.eval_split=tune) and judged on its final {t.metric}; a cell's runs start once its tuning has ended",
+        format_rows(rows, ["run_id", *tp.axes, "action", "steps", "tokens"]),
+        describe_costs(tp.runs, p.profile),
+    ]
+    inherit = [e for e in p.selection.values() if not e["tuned"]]
+    for entry in tuned:
+        chosen = "not chosen yet" if entry["chosen"] is None else f"{entry['chosen']:g}"
+        edge = f" (at the {entry['edge']} value tried)" if entry["at_edge"] else ""
+        lines.append(f"tuning: {entry['cell']}: {t.axis} {chosen}{edge}")
+    for entry in inherit:
+        where = f"the choice of {entry['from']}" if entry.get("from") else "the base value (not tuned)"
+        lines.append(f"tuning: {entry['cell']}: {t.axis} from {where}")
+    return lines
+
+
+def _both_stages(p: Plan) -> str:
+    """One line that adds the tuning stage's cost to the main runs'."""
+    from harness.sweeps.estimate import sweep_cost
+
+    assert p.tuning is not None
+    pr = p.profile
+    tune = sweep_cost([r.cfg for r in p.tuning.runs], peak_tflops=pr.gpu_peak_tflops, utilisation=pr.utilisation)
+    main = sweep_cost([r.cfg for r in p.runs], peak_tflops=pr.gpu_peak_tflops, utilisation=pr.utilisation)
+
+    def total(costs, key):
+        return sum(c[key] for c in costs)
+
+    return (
+        f"with tuning: {len(tune)} tuning run(s) ({units.tokens(total(tune, 'tokens'))} tokens, "
+        f"{units.gpu_time(total(tune, 'gpu_hours'))}) + {len(main)} main run(s) "
+        f"({units.tokens(total(main, 'tokens'))} tokens, {units.gpu_time(total(main, 'gpu_hours'))}) = "
+        f"{units.tokens(total(tune, 'tokens') + total(main, 'tokens'))} tokens, "
+        f"{units.gpu_time(total(tune, 'gpu_hours') + total(main, 'gpu_hours'))}"
+    )
 
 
 __all__ = [
