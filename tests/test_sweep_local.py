@@ -288,3 +288,18 @@ def test_status_never_unpickles_files_in_the_results_folder(finished, tmp_path):
         assert rows[0]["state"] == "failed" and "ended without finishing" in rows[0]["reason"]
     finally:
         status_path.write_text(saved)
+
+
+def test_a_run_dropped_from_the_grid_stays_listed_only_while_its_folder_exists(finished, tmp_path):
+    import shutil
+
+    tmp, _, sub, _ = finished
+    root = tmp_path / "results"
+    shutil.copytree(tmp / "results", root)
+    kept, removed = sorted(sub.jobs)
+    narrower = grid_file(tmp_path, "pair", "train.lr: [2.0e-2]")  # both runs leave the grid; one new run trains
+    shutil.rmtree(root / "pair" / removed)
+    sweep(narrower, executor="local", root=root, log=lambda _: None, poll_s=0.5)
+    listed = {r["run_id"] for r in read_json(root / "pair" / "sweep.json")["runs"]}
+    assert not (root / "pair" / removed).exists()  # status never makes a removed run folder again
+    assert removed not in listed and kept in listed

@@ -252,7 +252,7 @@ def reconcile(
         elif state in ("failed", "diverged") and row["job_state"] not in (None, "COMPLETED", "FAILED", "ENDED"):
             reason = f"job {job_id} {detail}: {reason}".rstrip(": ")  # the scheduler's word comes first
         if new_state != state or reason != row["reason"]:
-            if new_state != state:
+            if new_state != state and run_dir.is_dir():  # a folder removed by hand is not made again
                 try:
                     write_status(run_dir, new_state, message=reason)
                 except DiskFull:

@@ -574,8 +574,9 @@ def _read_record(p: Plan) -> dict[str, Any]:
                 entry.pop(key, None)
         entry.update(run_id=r.run_id, run_dir=r.run_id, variant=r.cfg.variant, overrides=r.overrides)
         runs.append(entry)
-    # Runs dropped from the grid since an earlier submission stay listed: their directories still exist.
-    runs += [e for rid, e in old.items() if rid not in {r.run_id for r in known}]
+    # Runs dropped from the grid since an earlier submission stay listed while their directories exist.
+    current = {r.run_id for r in known}
+    runs += [e for rid, e in old.items() if rid not in current and (p.sweep_dir / e.get("run_dir", rid)).is_dir()]
     record.update(name=p.grid.name, grid=str(p.grid.source), axes=p.axes, runs=runs, updated=now_iso())
     record.setdefault("created", now_iso())
     record.setdefault("submissions", [])
