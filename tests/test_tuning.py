@@ -3,6 +3,7 @@ run's tuning block, and a tiny tuned grid trained for real by the local executor
 
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 from pathlib import Path
@@ -302,3 +303,27 @@ def test_without_waiting_a_second_submission_starts_the_runs_once_tuning_has_end
     (row,) = second.rows
     chosen = read_json(sweep_dir / "tuning.json")["cells"][0]["chosen"]
     assert row["state"] == "done" and read_config(sweep_dir / row["run_id"]).train.lr == chosen
+
+
+def test_a_tuned_rate_is_no_setting_and_a_results_folder_finds_its_sweeps_tuning(tmp_path):
+    """Variants tuned to different rates are still compared row by row, and a report of a folder holding the
+    tuned sweep (as a grid's ``report.sweep`` names it) finds that sweep's tuning.json."""
+    from harness.reporting import tuning as tuning_report
+    from harness.reporting.report import report_spec
+    from harness.reporting.results import load_sweep
+
+    sweep_dir = tmp_path / "results" / "tuned"
+    for variant, lr in (("preln", 0.006), ("ldm-rls", 0.012)):
+        for seed in (0, 1):
+            run = sweep_dir / f"{variant}-s{seed}"
+            run.mkdir(parents=True)
+            config = {"variant": variant, "model": {"preset": "tiny"}, "train": {"lr": lr, "seed": seed}}
+            (run / "config.json").write_text(json.dumps(config))
+    cells = [{"cell": "variant=preln", "variant": "preln", "tuned": True, "state": "chosen", "chosen": 0.006}]
+    (sweep_dir / "tuning.json").write_text(json.dumps({"axis": "train.lr", "values": [0.006, 0.012], "cells": cells}))
+    sweep = load_sweep(tmp_path / "results")
+    assert "lr" not in sweep.axis_keys and {r.setting for r in sweep.runs} == {""}
+    assert tuning_report.read_tuning(tmp_path / "results")["cells"] == cells
+    assert "chosen by a tuning stage" in tuning_report.protocol_line(tmp_path / "results", [])
+    spec = report_spec({"summary": "What this is:\n  a test."})
+    assert spec.summary == "What this is:\n  a test."

@@ -42,6 +42,8 @@ class ReportSpec:
     sweep: str | None = None
     """The sweep name under results/ (or a folder); defaults to the grid's ``name``, else the file's stem."""
     title: str | None = None
+    summary: str | None = None
+    """A paragraph under the title: what the sweep is, at what scale, and what it cannot show."""
     tables: list[str] = field(default_factory=lambda: list(TABLES))
     figures: list[str] = field(default_factory=lambda: list(FIGURES))
     baseline: str = "preln"
@@ -86,12 +88,13 @@ def report_spec(section: dict[str, Any] | ReportSpec | None, source: str = "the 
                 f"Unknown key {key!r} in the report section of {source}.{did_you_mean(key, known)} "
                 f"Allowed keys: {', '.join(known)}."
             )
-    for key in ("sweep", "title", "baseline", "ablation_reference", "bench"):
+    for key in ("sweep", "title", "summary", "baseline", "ablation_reference", "bench"):
         if key in section and section[key] is not None and not isinstance(section[key], str):
             raise UsageError(f"report.{key} in {source} must be a string.")
     return ReportSpec(
         sweep=section.get("sweep"),
         title=section.get("title"),
+        summary=section.get("summary"),
         tables=_names(section.get("tables"), TABLES, "tables", source),
         figures=_names(section.get("figures"), FIGURES, "figures", source),
         baseline=section.get("baseline") or "preln",
@@ -206,6 +209,8 @@ def report(
         tuning_report.protocol_line(sweep_dir, tuning_report.lrs(sweep)),
         "",
     ]
+    if spec.summary:
+        lines[2:2] = [" ".join(spec.summary.split()), ""]
 
     colours = figs.palette(
         [r.variant for r in sweep.runs] + (list(bench_frame["variant"]) if bench_frame is not None else [])

@@ -230,8 +230,23 @@ def _axis_columns(keys: list[str]) -> dict[str, str]:
     return out
 
 
-def _settings(runs: list[Run]) -> dict[str, str]:
-    """Label every run with the config keys (other than variant and seed) in which the sweep's runs differ."""
+def tuned_keys(root: Path) -> set[str]:
+    """The config keys a tuning stage chose per variant (``tuning.json`` of any sweep under ``root``): part of each
+    variant's protocol, not a setting the runs are compared across."""
+    keys = set()
+    for path in Path(root).rglob("tuning.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("axis"), str):
+            keys.add(data["axis"])
+    return keys
+
+
+def _settings(runs: list[Run], tuned: set[str] = frozenset()) -> dict[str, str]:
+    """Label every run with the config keys (other than variant and seed) in which the sweep's runs differ; keys a
+    tuning stage chose per variant (``tuned``) are left out, so variants tuned to different values still compare."""
     flat = []
     for run in runs:
         f = {
@@ -241,7 +256,7 @@ def _settings(runs: list[Run]) -> dict[str, str]:
         }
         flat.append(f)
     keys = sorted({k for f in flat for k in f})
-    differing = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+    differing = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1 and k not in tuned]
     for run, f in zip(runs, flat):
         preset = PRESETS.get(str(f.get("model.preset")), {})
         parts = []
@@ -313,7 +328,7 @@ def load_sweep(root: str | Path) -> Sweep:
                 eval=_read_csv(d / "eval" / "table.csv", notes, root, ("value", "stderr")),
             )
         )
-    axis_keys = _settings(runs)
+    axis_keys = _settings(runs, tuned_keys(root))
     seen = sorted({k for r in runs for k in r.knobs})
     for run in runs:
         defaults = registry.get(run.base)

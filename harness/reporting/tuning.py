@@ -20,12 +20,21 @@ TUNING_FILE = "tuning.json"
 
 
 def read_tuning(sweep_dir: str | Path) -> dict[str, Any] | None:
-    """The sweep's ``tuning.json``, or None when the sweep had no tuning stage or the file does not parse."""
-    try:
-        data = read_json(Path(sweep_dir) / TUNING_FILE)
-    except DamagedFile:
+    """The ``tuning.json`` of the sweep at ``sweep_dir``, or of the sweeps under it (a results folder holding
+    several: their cells together), or None when no sweep there had a tuning stage or no file parses."""
+    found = []
+    for path in sorted(Path(sweep_dir).rglob(TUNING_FILE)):
+        try:
+            data = read_json(path)
+        except DamagedFile:
+            continue
+        if isinstance(data, dict) and isinstance(data.get("cells"), list):
+            found.append(data)
+    if not found:
         return None
-    return data if isinstance(data, dict) and isinstance(data.get("cells"), list) else None
+    merged = dict(found[0])
+    merged["cells"] = [cell for data in found for cell in data["cells"]]
+    return merged
 
 
 def lrs(sweep) -> list[float]:
