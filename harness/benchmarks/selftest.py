@@ -284,39 +284,24 @@ def selftest(
             )
         )
         say(f"training {name}: loss {row['first_loss']:.3f} -> {row['last_loss']:.3f}")
-    for name in names:
-        report["speed"].append(
-            row := measure_speed(
-                name,
-                dev,
-                preset=bench_preset,
-                seq_len=bench_seq,
-                batch=bench_batch,
-                dtype=bench_dtype,
-                steps=bench_steps,
-                warmup=bench_warmup,
-                peak_tflops=peak,
-            )
-        )
-        say(f"speed {name}: {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.2f} TFLOP/s")
-    if compile or device == "cuda":  # studies train compiled on a GPU (train.compile=auto): its speed beside eager's
+    speed = dict(
+        preset=bench_preset,
+        seq_len=bench_seq,
+        batch=bench_batch,
+        dtype=bench_dtype,
+        steps=bench_steps,
+        warmup=bench_warmup,
+        peak_tflops=peak,
+    )
+    # Studies train compiled on a GPU (train.compile=auto): there its speed is measured beside eager's.
+    for compiled in (False, True) if compile or device == "cuda" else (False,):
         for name in names:
-            report["speed_compiled"].append(
-                row := measure_speed(
-                    name,
-                    dev,
-                    preset=bench_preset,
-                    seq_len=bench_seq,
-                    batch=bench_batch,
-                    dtype=bench_dtype,
-                    steps=bench_steps,
-                    warmup=bench_warmup,
-                    peak_tflops=peak,
-                    compiled=True,
-                )
-            )
-            say(f"speed {name}, compiled: {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.2f} TFLOP/s")
-            torch._dynamo.reset()
+            row = measure_speed(name, dev, compiled=compiled, **speed)
+            report["speed_compiled" if compiled else "speed"].append(row)
+            how = ", compiled" if compiled else ""
+            say(f"speed {name}{how}: {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.2f} TFLOP/s")
+            if compiled:
+                torch._dynamo.reset()
     if compile:
         for name in names:
             report["compile"].append(row := check_compile(name, check_cfg, steps=compile_steps))

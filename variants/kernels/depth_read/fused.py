@@ -14,15 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from variants.kernels.tiles import row_tile
+
 BLOCK_ROWS = 32
 
 
 @triton.jit
 def _forward(Q, K, V, M, R, n, KD, VD, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
-    ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
-    rmask = rows < R
-    qmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
+    rows, ok, ov, rmask, qmask, vmask = row_tile(R, KD, VD, BLOCK_R, BLOCK_K, BLOCK_V)
     q = tl.load(Q + rows[:, None] * KD + ok[None, :], mask=qmask, other=0.0)
     acc = tl.zeros([BLOCK_R, BLOCK_V], dtype=q.dtype)
     for i in range(n):
@@ -36,10 +35,7 @@ def _forward(Q, K, V, M, R, n, KD, VD, BLOCK_R: tl.constexpr, BLOCK_K: tl.conste
 def _backward(
     Q, K, V, DM, DQ, DK, DV, R, n, KD, VD, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr
 ):
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
-    ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
-    rmask = rows < R
-    qmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
+    rows, ok, ov, rmask, qmask, vmask = row_tile(R, KD, VD, BLOCK_R, BLOCK_K, BLOCK_V)
     q = tl.load(Q + rows[:, None] * KD + ok[None, :], mask=qmask, other=0.0)
     dm = tl.load(DM + rows[:, None] * VD + ov[None, :], mask=vmask, other=0.0)
     dq = tl.zeros([BLOCK_R, BLOCK_K], dtype=q.dtype)

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from variants.kernels.tiles import row_tile
+
 BLOCK_ROWS = 32
 
 
@@ -23,10 +25,7 @@ def _forward(
     K0, V0, RIDGE, KS, VS, KT, VT, DELTA, FLOORED, MARGIN, R, n, KD, VD,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
-    ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
-    rmask = rows < R
-    kmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
+    rows, ok, ov, rmask, kmask, vmask = row_tile(R, KD, VD, BLOCK_R, BLOCK_K, BLOCK_V)
     k = tl.load(K0 + rows[:, None] * KD + ok[None, :], mask=kmask, other=0.0)
     v = tl.load(V0 + rows[:, None] * VD + ov[None, :], mask=vmask, other=0.0)
     r = tl.load(RIDGE + rows, mask=rmask, other=1.0)
@@ -54,10 +53,7 @@ def _backward(
     K0, KS, VS, KT, VT, DELTA, FLOORED, DKT, DVT, DK0, DV0, DRIDGE, DKS, DVS, R, n, KD, VD,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row × stride passes 2³¹
-    ok, ov = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
-    rmask = rows < R
-    kmask, vmask = rmask[:, None] & (ok < KD)[None, :], rmask[:, None] & (ov < VD)[None, :]
+    rows, ok, ov, rmask, kmask, vmask = row_tile(R, KD, VD, BLOCK_R, BLOCK_K, BLOCK_V)
     at_k, at_v = rows[:, None] * KD + ok[None, :], rows[:, None] * VD + ov[None, :]
     k = tl.load(K0 + at_k, mask=kmask, other=0.0)
     kt = tl.load(KT + at_k, mask=kmask, other=0.0)
