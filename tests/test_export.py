@@ -9,7 +9,7 @@ import torch
 
 from harness.cli import main
 from harness.config import build_config
-from harness.training.checkpoint import load_model
+from harness.model.checkpoint import load_model
 from harness.training.trainer import train
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from harness.benchmarks.memory import CoreLoad, live_training_bytes
+from harness.measure import CoreLoad, live_training_bytes
 from harness.reporting import figures as figs
 from harness.reporting import frontier as fr
 from harness.reporting import items as report_items

@@ -17,8 +17,8 @@ from harness.cli import main as cli_main
 from harness.config import build_config
 from harness.data import corpus as D
 from harness.errors import RunFailed, UsageError
+from harness.model.checkpoint import load_model
 from harness.model.diagnostics import traced_forward
-from harness.training.checkpoint import load_model
 from harness.training.trainer import METRICS_COLUMNS, lr_factor, param_groups, train
 
 

@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 
 from harness.config import ModelConfig, model_preset
+from harness.model.decoder import preln_params
 from harness.model.factory import matched_ffn_hidden
 
 COLUMNS = [
@@ -25,14 +26,6 @@ COLUMNS = [
     "extra_flops_per_token",
     "extra_flops_frac",
 ]
-
-
-def preln_params(model: ModelConfig) -> int:
-    """Parameters of the PreLN decoder of this size, counted from the config."""
-    d, f, V = model.d_model, model.ffn_hidden, model.vocab_size
-    per_block = 4 * d * d + 3 * d * f + 2 * d  # attention, SwiGLU, the two pre-norm gains
-    head = 0 if model.tie_embeddings else V * d
-    return V * d + model.n_blocks * per_block + d + head
 
 
 def preln_flops_per_token(model: ModelConfig, seq_len: int | None = None) -> int:

@@ -20,6 +20,14 @@ from harness.config import ModelConfig
 from variants.layers import RMSNorm  # noqa: F401  (shared with the mixers; importable from here as before)
 
 
+def preln_params(model: ModelConfig) -> int:
+    """Parameters of the PreLN decoder of this size, counted from the config."""
+    d, f, V = model.d_model, model.ffn_hidden, model.vocab_size
+    per_block = 4 * d * d + 3 * d * f + 2 * d  # attention, SwiGLU, the two pre-norm gains
+    head = 0 if model.tie_embeddings else V * d
+    return V * d + model.n_blocks * per_block + d + head
+
+
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None):
     """cos and sin of shape (t, e), computed in float32 as Llama does, whatever the model dtype."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness import rundir, tracking
-from harness.benchmarks.memory import AllocatorPeak, CoreLoad, live_training_bytes
 from harness.config import RunConfig
 from harness.data import corpus as datalib
 from harness.data import tokenizer as toklib
@@ -50,12 +49,13 @@ from harness.io import (
     read_json,
     remove_stale_temps,
 )
+from harness.measure import AllocatorPeak, CoreLoad, live_training_bytes
 from harness.model import diagnostics
+from harness.model.checkpoint import read_checkpoint
 from harness.model.diagnostics import layer_grad_norms, layer_stats, traced_forward
 from harness.model.factory import build_model
 from harness.training import budget
 from harness.training.budget import seq_len_of
-from harness.training.checkpoint import read_checkpoint
 from harness.training.signals import SyncedStop
 from variants import kernels
 
