@@ -87,6 +87,7 @@ def test_weight_decay_only_on_matrices_and_mixer_linear_weights(variant):
     assert all((id(p) in decayed) == (id(p) in linear) for p in model.mixer.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
 def test_run_directory_contract_and_falling_loss(preln_run):
     run = preln_run
@@ -141,6 +142,7 @@ def test_run_directory_contract_and_falling_loss(preln_run):
     assert len(mixing["matrix"]) == 5
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
 def test_validation_numbers_match_an_independent_recomputation(preln_run):
     """val_loss and val_bpb from a float64 pass of the loaded model over the same windows, bytes from decoding."""
@@ -158,6 +160,7 @@ def test_validation_numbers_match_an_independent_recomputation(preln_run):
     assert summary["val_bpb"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
 def test_finished_run_returns_without_training(preln_run):
     before = (preln_run / "ckpt" / "last.ckpt").stat().st_mtime_ns, (preln_run / "metrics.csv").read_text()
@@ -167,6 +170,7 @@ def test_finished_run_returns_without_training(preln_run):
         train(tiny(25), preln_run)
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
 def test_load_model_rejects_corrupt_or_mismatched_checkpoints(preln_run, tmp_path):
     run = tmp_path / "run"
@@ -184,6 +188,7 @@ def test_load_model_rejects_corrupt_or_mismatched_checkpoints(preln_run, tmp_pat
         load_model(run)
 
 
+@pytest.mark.slow
 def test_other_variant_trains_and_writes_the_contract(tmp_path):
     run = train(tiny(3, "ldm-rls(groups=4)", val_every_steps=2, ckpt_every_steps=3), tmp_path / "run")
     assert rundir.read_status(run)["state"] == "done"
@@ -220,6 +225,7 @@ def test_other_variant_trains_and_writes_the_contract(tmp_path):
     assert len(summary["depth_memory"]["omega"]) == L
 
 
+@pytest.mark.slow
 def test_same_config_and_seed_give_the_same_curve(tmp_path):
     curves = []
     for i, seed in enumerate((7, 7, 8)):
@@ -228,6 +234,7 @@ def test_same_config_and_seed_give_the_same_curve(tmp_path):
     assert curves[0] == curves[1] and curves[0] != curves[2]
 
 
+@pytest.mark.slow
 def test_divergence_stops_the_run_with_status(tmp_path):
     with pytest.raises(RunFailed, match="diverged at step 1"):
         train(tiny(5, max_grad_norm_diverge=1e-4), tmp_path / "run")
@@ -236,6 +243,7 @@ def test_divergence_stops_the_run_with_status(tmp_path):
     assert not (tmp_path / "run" / "ckpt" / "last.ckpt").exists()
 
 
+@pytest.mark.slow
 def test_training_on_prepared_shards(tmp_path):
     texts = [text[:20_000] for _, text in D.shakespeare_documents()[:6]]
     for i, text in enumerate(texts):
