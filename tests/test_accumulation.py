@@ -9,7 +9,8 @@ import pytest
 
 from harness.config import build_config
 from harness.errors import UsageError
-from harness.training.trainer import accumulation, train
+from harness.training.optim import accumulation
+from harness.training.trainer import train
 
 SETTINGS = {
     "max_steps": 6,

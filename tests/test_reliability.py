@@ -182,7 +182,7 @@ class TestFullDisk:
     def test_a_checkpoint_that_fits_once_but_not_twice(self, tmp_path, disk, rng_seed):
         import torch
 
-        from harness.training.trainer import AtomicCheckpointIO
+        from harness.training.module import AtomicCheckpointIO
 
         d = disk(3 * 1024 * 1024)
         ckpt = d.path / "ckpt" / "last.ckpt"

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from harness.config import build_config
-from harness.training.trainer import progress_line, tracking_id, train
+from harness.training.runfiles import progress_line
+from harness.training.trainer import tracking_id, train
 
 ROOT = Path(__file__).resolve().parent.parent
 

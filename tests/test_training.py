@@ -19,7 +19,9 @@ from harness.data import corpus as D
 from harness.errors import RunFailed, UsageError
 from harness.model.checkpoint import load_model
 from harness.model.diagnostics import traced_forward
-from harness.training.trainer import METRICS_COLUMNS, lr_factor, param_groups, train
+from harness.training.optim import lr_factor, param_groups
+from harness.training.runfiles import METRICS_COLUMNS
+from harness.training.trainer import train
 
 
 @pytest.fixture(autouse=True)
@@ -296,7 +298,7 @@ def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
 
 
 def test_global_grad_norm_matches_the_float64_norm(rng_seed):
-    from harness.training.trainer import global_grad_norm
+    from harness.training.optim import global_grad_norm
 
     grads = [torch.randn(3 * 4096 + 17), torch.randn(64, 96) * 1e-3, torch.randn(5), torch.randn(2, 4096) * 50]
     exact = float(torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads])))
@@ -311,7 +313,7 @@ def test_global_grad_norm_matches_the_float64_norm(rng_seed):
 def test_budget_is_the_same_for_every_variant_of_a_size():
     from harness.model.costs import preln_params
     from harness.model.factory import build_model
-    from harness.training.trainer import total_steps
+    from harness.training.optim import total_steps
 
     assert total_steps(tiny(7)) == 7
     assert total_steps(tiny(0, tokens=1000)) == math.ceil(1000 / (8 * 32))
