@@ -24,6 +24,9 @@ Imports inside functions count: a deferred import still ties the two modules tog
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,6 +165,42 @@ def test_graph_sees_function_level_and_relative_imports(tmp_path):
     assert graph["harness.sub"] == {"harness.sub.b"}
     assert graph["harness.sub.b"] == {"harness.a"}
     assert find_cycle(graph) == ["harness.a", "harness.sub.b", "harness.a"]
+
+
+def test_variants_import_nothing_from_the_harness():
+    harness_imports = {
+        module: sorted(t for t in targets if t.split(".")[0] == "harness")
+        for module, targets in import_graph().items()
+        if module.split(".")[0] == "variants"
+    }
+    assert not any(harness_imports.values()), {m: t for m, t in harness_imports.items() if t}
+
+
+def test_the_harness_raises_the_errors_the_mixers_raise():
+    import harness.errors
+    import harness.registry
+    import variants.errors
+    import variants.registry
+
+    assert harness.errors.UsageError is variants.errors.UsageError
+    assert harness.errors.DepthmemError is variants.errors.DepthmemError
+    assert harness.registry.Registry is variants.registry.Registry
+
+
+@pytest.mark.slow
+def test_variants_import_and_build_without_the_harness():
+    """In a fresh interpreter: importing ``variants`` and building a mixer loads no module of ``harness``."""
+    code = (
+        "import sys, variants\n"
+        "assert not any(m == 'harness' or m.startswith('harness.') for m in sys.modules)\n"
+        "variants.build('ldm-rls', d_model=32, n_layers=4)\n"
+        "assert variants.names()[0] == 'preln'\n"
+        "loaded = sorted(m for m in sys.modules if m == 'harness' or m.startswith('harness.'))\n"
+        "assert not loaded, loaded\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_every_module_has_a_stage():

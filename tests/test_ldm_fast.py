@@ -196,7 +196,7 @@ def test_chunked_read_survives_a_second_backward_and_frees_its_memory(spec, monk
     import gc
     import weakref
 
-    from variants.depth_read import CarriedMemory
+    from variants.ops.depth_read import CarriedMemory
 
     model = build_model(model_preset("tiny", n_blocks=3), spec).to(torch.float64)
     model.mixer.chunk = 2

@@ -124,7 +124,7 @@ def _tracked(monkeypatch, cls):
 def test_carried_memory_is_let_go_after_the_head_and_rebuilt_for_backward(monkeypatch, rng_seed):
     """Nothing reads the carried memory after the head's read, so the forward pass ends without it; backward
     rebuilds it from the folded writes, bit for bit the memory the forward pass read."""
-    from variants.depth_read import CarriedMemory
+    from variants.ops.depth_read import CarriedMemory
 
     model = _rls(chunk=2)
     idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
@@ -147,7 +147,7 @@ def test_a_backward_that_drops_the_graph_lets_go_of_what_only_a_second_one_needs
     """The graph's nodes live until the step ends, and with them what they hold outside their saved tensors: each
     query/key pass's input and the carried memory's folded writes are let go of once their own backward has run,
     unless the graph is kept for another backward (which test_recomputed_queries… runs)."""
-    from variants.depth_read import CarriedMemory
+    from variants.ops.depth_read import CarriedMemory
 
     model = _rls(chunk)
     idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))

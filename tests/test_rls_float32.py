@@ -18,7 +18,7 @@ import torch
 
 from harness import build_model, model_preset
 from harness.model.decoder import Trace
-from variants import rls
+from variants.ops import rls
 
 B, T, VOCAB = 2, 8, 512
 TOL = 1e-4

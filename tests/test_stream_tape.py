@@ -1,5 +1,5 @@
 """HC and mHC keep their ``n·d`` stream, and LDM with the outer-product write its residual ``x``, for backward at
-every ``segment``-th layer only (``variants/tape.py``).
+every ``segment``-th layer only (``variants/ops/tape.py``).
 
 The recomputed streams must be the forward's to the bit, whatever the segment, and what autograd saves must
 shrink by exactly the streams not kept, without a reference cycle that would hold a step's memory past its
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from harness import build_model, model_preset
 from harness.benchmarks.benchmark import cpu_peak_allocated_bytes, saved_activation_bytes
-from variants import tape as tape_module
+from variants.ops import tape as tape_module
 
 SPECS = ["hc", "hc(dynamic=off)", "mhc", "mhc(expansion=3,sinkhorn_iters=4)", "ldm", "ldm(read=memory)", "ldm+chunk"]
 

@@ -6,7 +6,7 @@ also relative to PreLN's own totals. Only the mixers are built, on the meta devi
 costs no memory. PreLN's forward FLOPs per token count every matrix multiply at 2 FLOPs per multiply-add:
 the projections, the MLP and the head, plus the attention scores and weighted sum over the full context
 (``4·T·d`` per attention layer, as the math kernel computes them); norms and activations are not counted.
-A mixer with more than one implementation counts the one it runs by default (LDM: ``variants/ldm_costs.py``).
+A mixer with more than one implementation counts the one it runs by default (LDM: ``variants/ops/ldm_costs.py``).
 """
 
 from __future__ import annotations
