@@ -12,6 +12,9 @@ from harness.config import build_config
 from harness.model.checkpoint import load_model
 from harness.training.trainer import train
 
+# Every test exports a run trained first.
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 
 SETTINGS = {

@@ -273,6 +273,7 @@ def test_exclude_lists_match_any_value_and_refuse_values_no_run_has():
     assert combinations(tasks) == [{"eval.tasks": ["offline_piqa"]}]
 
 
+@pytest.mark.slow
 def test_paper_dry_run_warns_about_the_missing_corpus_and_submission_refuses(capsys):
     import math
 

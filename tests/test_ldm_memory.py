@@ -50,6 +50,7 @@ def _loss_and_grads(model, idx, targets, *, twice=False):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_recomputed_queries_give_the_forward_and_gradients_of_kept_ones(spec, monkeypatch, rng_seed):
     model = _model(spec)
@@ -68,6 +69,7 @@ def test_recomputed_queries_give_the_forward_and_gradients_of_kept_ones(spec, mo
         torch.testing.assert_close(t, 2 * w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls"])
 def test_peak_memory_of_a_step_falls_with_the_queries_not_kept(spec, monkeypatch, rng_seed):
     model = _model(spec, n_blocks=8)  # L = 16: readers 1..16 each made a query

@@ -160,6 +160,7 @@ def _no_space(line: str) -> None:
     assert "free" in line, line
 
 
+@pytest.mark.slow
 class TestFullDisk:
     """Every command that writes, on a full disk: exit 1, one sentence with the space needed, no temp file left."""
 
@@ -284,6 +285,7 @@ def _copy_sweep(finished_sweep, tmp_path: Path) -> tuple[Path, Path, list[str]]:
     return grid, tmp_path / "results", run_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(DAMAGE))
 @pytest.mark.parametrize("name", RUN_FILES)
 class TestDamagedRunFile:

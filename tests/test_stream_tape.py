@@ -43,6 +43,7 @@ def _loss_and_grads(model, idx, targets, *, segment, backward_twice=False):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_stream(spec, rng_seed):
     model = _model(spec)  # L = 10 layers
@@ -99,6 +100,7 @@ def test_ldm_keeps_every_residual_where_recomputing_it_would_not_save_memory(spe
         assert model.mixer.init_state(e).tape is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["mhc", "ldm"])
 def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(spec, rng_seed):
     model = _model(spec, n_blocks=8)  # L = 16: 4 of 16 streams kept (LDM: 4 of 17), 3 recomputed at a time

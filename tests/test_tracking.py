@@ -19,6 +19,9 @@ from harness.config import build_config
 from harness.training.runfiles import progress_line
 from harness.training.trainer import tracking_id, train
 
+# Most tests here train a run.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
