@@ -158,6 +158,7 @@ def test_depth_read_saves_only_the_query_and_the_writes(rng_seed):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec, collected",
     [("ldm", "mixer.keys"), ("ldm-rls(groups=4)", "mixer.keys"), ("hc", "mixer.proj"), ("mhc", "mixer.phi")],
@@ -178,6 +179,7 @@ def test_collected_write_gradients_survive_a_second_backward(spec, collected, rn
     assert any(n.startswith(collected) for n in once)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec", ["attnres", "attnres-block", "attnres-block(block_size=2)", "attnres-block(block_size=3)", "denseformer"]
 )

@@ -226,6 +226,7 @@ def test_paper_headline_rows_have_five_seeds_and_ablations_three():
     }
 
 
+@pytest.mark.slow
 def test_paper_matches_every_variant_with_more_than_one_percent_extra_parameters():
     """Each variant of the paper grid that adds over 1% of PreLN's parameters has a parameter-matched PreLN in
     the grid within 0.5% of its own count."""

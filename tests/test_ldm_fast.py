@@ -188,6 +188,7 @@ def test_dual_state_stays_float32_under_bf16_and_float64_in_float64(spec, rng_se
     assert all(t.dtype == torch.float64 for t in state.keys + state.values)
 
 
+@pytest.mark.slow
 # -- the chunked read: writes folded into a carried memory every `chunk` writes ----------------------------------
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls(groups=4)"])
 def test_chunked_read_survives_a_second_backward_and_frees_its_memory(spec, monkeypatch, rng_seed):

@@ -307,6 +307,7 @@ class TestDamagedRunFile:
         assert "nothing to cancel" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated"])  # every kind of damage reads alike; the status test runs them all
 @pytest.mark.parametrize("name", RUN_FILES)
 def test_train_and_report_read_past_a_damaged_run_file(capsys, tmp_path, finished_sweep, name, how):
@@ -334,6 +335,7 @@ def test_train_and_report_read_past_a_damaged_run_file(capsys, tmp_path, finishe
         assert json.loads((run / "status.json").read_text())["state"] == "done"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(DAMAGE))
 def test_damaged_sweep_record_lists_runs_from_their_folders(capsys, tmp_path, finished_sweep, how):
     grid, results, run_ids = _copy_sweep(finished_sweep, tmp_path)

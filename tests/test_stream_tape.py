@@ -64,6 +64,7 @@ def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_s
     assert all(torch.equal(g, w) for g, w in zip(hooked, want))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["hc", "mhc"])
 def test_autograd_saves_only_the_kept_streams(spec, rng_seed):
     # (LDM's residual is held by its query/key passes, not saved through autograd: the peak tests below see it.)
@@ -117,6 +118,7 @@ def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(spec, rng_seed):
     assert peak(1) - peak(None) >= (16 - 4 - 3) * stream_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["mhc", "ldm"])
 def test_the_tape_lives_no_longer_than_the_graph(spec, monkeypatch, rng_seed):
     tapes = []
