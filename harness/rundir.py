@@ -119,17 +119,6 @@ def config_hash(cfg: RunConfig, *, with_seed: bool = False) -> str:
     return hashlib.sha1(blob).hexdigest()[:8]
 
 
-def legacy_config_hash(cfg: RunConfig) -> str:
-    """The hash of run ids written before ids carried their axis values (everything but name, slurm and seed)."""
-    d = cfg.to_dict()
-    d["variant"] = _canonical_variant(cfg.variant)
-    d.pop("name", None)
-    d.pop("slurm", None)
-    d["train"] = {k: v for k, v in d["train"].items() if k != "seed"}
-    _drop_default_split(d)
-    return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:8]
-
-
 # Short labels of common axes in run ids; any other key is labelled by its last part.
 AXIS_LABELS = {
     "train.lr": "lr",
@@ -191,14 +180,6 @@ def run_id(cfg: RunConfig, axes: dict[str, Any] | None = None) -> str:
         parts.append(f"{label}{short_value(value)}")
     readable = "-".join(p for p in parts if p)[:80].strip("-.")
     return f"{readable}-s{cfg.train.seed}-{config_hash(cfg)}"
-
-
-def legacy_run_id(cfg: RunConfig) -> str:
-    """The id the same run had before ids carried axis values: ``<variant>-<hash>-s<seed>``."""
-    import variants
-
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", variants.canonical(cfg.variant)).strip("-")
-    return f"{slug}-{legacy_config_hash(cfg)}-s{cfg.train.seed}"
 
 
 def write_config(run_dir: Path, cfg: RunConfig) -> None:

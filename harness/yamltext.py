@@ -8,9 +8,12 @@ as YAML 1.2 (and OmegaConf's command-line overrides) do; everything else is PyYA
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import yaml
+
+from harness.errors import UsageError
 
 FLOAT = "tag:yaml.org,2002:float"
 
@@ -43,3 +46,29 @@ def load(text: str) -> Any:
 
 
 __all__ = ["NumberLoader", "load"]
+
+
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """The parsed YAML of ``path``; a missing file or malformed YAML is a one-sentence ``UsageError`` (with line)."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"The {what} {str(path)!r} does not exist.")
+    if path.is_dir():
+        raise UsageError(f"The {what} {str(path)!r} is a folder; give the path of a YAML or JSON file.")
+    try:
+        raw = path.read_bytes()
+    except PermissionError:
+        raise UsageError(f"The {what} {str(path)!r} cannot be read: permission denied.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise UsageError(
+            f"The {what} {str(path)!r} is not UTF-8 text (byte {raw[e.start]:#04x} at line {line}); save it as UTF-8."
+        ) from None
+    try:
+        return load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"Malformed YAML in {path}{where}: {getattr(e, 'problem', None) or e}.") from None

@@ -9,7 +9,8 @@ import pytest
 
 from harness.config import build_config
 from harness.errors import UsageError
-from harness.training.trainer import accumulation, train
+from harness.training.optim import accumulation
+from harness.training.trainer import train
 
 SETTINGS = {
     "max_steps": 6,
@@ -28,6 +29,7 @@ def _column(run: Path, name: str) -> list[float]:
         return [float(r[name]) for r in csv.DictReader(f) if r[name]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["preln", "ldm-rls"])
 def test_micro_batches_follow_the_whole_batch(variant, tmp_path):
     whole = train(build_config({"model": {"preset": "tiny"}, "variant": variant, "train": SETTINGS}), tmp_path / "a")

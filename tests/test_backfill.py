@@ -14,6 +14,9 @@ from harness.cli import main
 from harness.rundir import read_config, read_status
 from harness.sweeps.submit import plan, sweep
 
+# Each test trains a run first.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):

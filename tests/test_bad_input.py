@@ -484,6 +484,7 @@ def test_unknown_offline_task_suggests_the_closest(capsys, trained_run):
     assert "offline_piqa" in line
 
 
+@pytest.mark.slow
 def test_unknown_lm_eval_task(capsys, trained_run):
     line = fails(capsys, ["eval", str(trained_run), "--tasks", "no_such_task_anywhere", "--limit", "2"])
     assert "Unknown task 'no_such_task_anywhere'" in line and "offline_copa" in line
@@ -574,6 +575,7 @@ def test_missing_sweep_for_status_and_report(capsys, tmp_path):
 
 
 # -- as a user sees it: a separate process, with and without --debug -----------------------------------------
+@pytest.mark.slow
 def test_subprocess_prints_one_line_and_no_traceback(tmp_path):
     config = write(tmp_path / "run.yaml", "model:\n  preset: tiny\ntrain: [\n")
     for argv in (
@@ -586,6 +588,7 @@ def test_subprocess_prints_one_line_and_no_traceback(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_subprocess_slurm_without_sbatch(tmp_path):
     grid = write(tmp_path / "g.yaml", GRID.format(name="g", variants="[preln]"))
     (tmp_path / "bin").mkdir()
@@ -596,6 +599,7 @@ def test_subprocess_slurm_without_sbatch(tmp_path):
     assert proc.stderr.count("\n") == 1 and "--executor local" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(tmp_path):
     proc = run_subprocess(["--debug", "train", "--variant", "ldm-rsl", "--out", str(tmp_path / "r"), "--dry-run"])
     assert proc.returncode != 0

@@ -79,6 +79,7 @@ def test_attnres_block_matches_a_softmax_over_block_sums(block_size, rng_seed):
         assert _rel(a, expected) < 1e-12, f"reader {reader} of {L}"
 
 
+@pytest.mark.slow
 def test_attnres_block_of_one_layer_equals_full_attnres(rng_seed):
     full = _model("attnres", n_blocks=3)
     with torch.no_grad():

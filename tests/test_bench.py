@@ -54,6 +54,7 @@ def _tiny(**kw):
     return B.bench(**args)
 
 
+@pytest.mark.slow
 def test_quick_cli_writes_csv_plot_and_a_row_for_every_registered_variant(tmp_path, capsys):
     """``--quick`` runs every registered variant once and writes the CSV, the fits and a readable PNG."""
     out = tmp_path / "bench"
@@ -79,6 +80,7 @@ def test_quick_cli_writes_csv_plot_and_a_row_for_every_registered_variant(tmp_pa
     assert meta["git_revision"] is None or len(meta["git_revision"].split("-")[0]) == 40  # which code was measured
 
 
+@pytest.mark.slow
 def test_ratios_and_rates_come_from_the_same_run(rng_seed):
     """Each row's ratios divide by PreLN's numbers at the same shape, and the thread setting is restored."""
     other = next(n for n in variants.names() if n != "preln") if len(variants.names()) > 1 else "preln"
@@ -98,6 +100,7 @@ def test_ratios_and_rates_come_from_the_same_run(rng_seed):
             assert row["peak_mem_bytes"] >= memory.static_bytes(model) + row["saved_activation_bytes"]
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_memory_and_floors():
     """Memory and floors do not depend on timing noise: two identical runs agree exactly."""
     cols = ["variant", "peak_mem_bytes", "saved_activation_bytes", "floor_time_ratio", "floor_state_ratio"]
@@ -209,6 +212,7 @@ def test_scaling_recovers_known_power_laws(rng_seed):
         (("width", "seq_len"), "width"),
     ],
 )
+@pytest.mark.slow
 def test_the_plot_runs_along_the_axis_that_varies(varying, axis, tmp_path):
     rows = []
     for i in range(3):
@@ -241,6 +245,7 @@ def test_schedule_times_each_variant_next_to_its_reference():
     assert rounds[1] == ["preln", "b", "preln", "a:reference", "a", "preln", "preln:reference", "preln"]
 
 
+@pytest.mark.slow
 def test_plain_trunk_and_reference_models_compute_what_the_variant_computes(rng_seed):
     """The references timed beside each variant are the same function: the plain trunk equals PreLN, and every
     mixer's reference implementation equals its fast path (float64, same weights)."""
@@ -258,6 +263,7 @@ def test_plain_trunk_and_reference_models_compute_what_the_variant_computes(rng_
         torch.testing.assert_close(ref_model(idx), model(idx), rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.slow
 def test_reference_ratios_are_reported_for_every_variant(rng_seed):
     df = _tiny(variants=["hc"])
     assert set(df["ref_impl"]) == {"plain pre-norm trunk", "reference"}
@@ -266,6 +272,7 @@ def test_reference_ratios_are_reported_for_every_variant(rng_seed):
     assert _tiny(variants=["hc"], references=False)["ref_impl"].eq("").all()
 
 
+@pytest.mark.slow
 def test_busy_machine_is_marked_and_refused_for_reference_numbers(monkeypatch, tmp_path):
     monkeypatch.setattr(quiet, "others_now", lambda seconds=1.0: 3.0)
     with pytest.raises(B.RunFailed, match="busy"):
@@ -284,6 +291,7 @@ def test_busy_machine_is_marked_and_refused_for_reference_numbers(monkeypatch, t
     assert not (tmp_path / "d" / "bench.csv").exists()
 
 
+@pytest.mark.slow
 def test_other_processes_cpu_time_is_measured_apart_from_our_own():
     """A spinning child process shows as another core's worth of work; this process's own spinning does not."""
     if quiet.machine_busy_seconds() is None:

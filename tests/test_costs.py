@@ -149,7 +149,7 @@ def _mixer_matmul_flops_per_token(mixer, b: int = 2, t: int = 3) -> float:
 @pytest.mark.parametrize("impl", ["dual", "recurrent"])
 @pytest.mark.parametrize("spec", LDM_COST_SPECS)
 def test_ldm_matmul_count_matches_torch_flop_counter(spec, impl, rng_seed):
-    from variants import ldm_costs
+    from variants.ops import ldm_costs
 
     mixer = variants.build(spec, d_model=48, n_layers=5)
     mixer.impl = impl
@@ -163,7 +163,7 @@ def test_ldm_matmul_count_matches_torch_flop_counter(spec, impl, rng_seed):
 def test_chunked_read_matmul_count_matches_torch_flop_counter(spec, chunk, rng_seed):
     """Folds (M + Σ v kᵀ per chunk, and S + Σ k kᵀ for RLS), reads of the carried memory (M q) and RLS's
     whitening against it (S k, M k, kᵀ S k) are counted as they run."""
-    from variants import ldm_costs
+    from variants.ops import ldm_costs
 
     mixer = variants.build(spec, d_model=48, n_layers=5)
     unchunked = ldm_costs.flops_per_token(mixer)[0]

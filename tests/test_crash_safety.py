@@ -29,7 +29,8 @@ import torch
 from harness import rundir
 from harness.cli import main as cli_main
 
-pytestmark = pytest.mark.xdist_group("crash")
+# Every test here trains, evaluates or reports in processes it kills.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("crash")]
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 16

@@ -16,6 +16,9 @@ import pytest
 from harness.config import build_config
 from harness.training.trainer import train
 
+# Two training processes per test.
+pytestmark = pytest.mark.slow
+
 
 def _column(run: Path, name: str) -> list[float]:
     with open(run / "metrics.csv", newline="") as f:

@@ -30,6 +30,7 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setenv("LM_HARNESS_CACHE_PATH", str(tmp_path / "lm_eval_cache"))
 
 
+@pytest.mark.slow
 def test_suite_tasks_load_offline_with_expected_document_counts():
     from lm_eval.tasks import TaskManager
 
@@ -225,6 +226,7 @@ def test_pretrained_is_an_alias_of_checkpoint_and_the_device_used_is_recorded(tm
     assert results["config"]["device"] == "cpu"
 
 
+@pytest.mark.slow
 def test_a_hub_task_with_an_offline_twin_suggests_it(tmp_path, rng_seed, monkeypatch, capsys):
     from harness.cli import main
 
@@ -237,6 +239,7 @@ def test_a_hub_task_with_an_offline_twin_suggests_it(tmp_path, rng_seed, monkeyp
     assert "offline_arc_easy" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_lm_eval_command_line_leaves_its_logging_quiet_and_on_the_current_stderr(tmp_path, rng_seed, monkeypatch):
     """lm-eval's entry point binds a log handler to the stderr of its first call; a notebook or a test session
     replaces that stream later, and a later `depthmem eval` in the same process must not print lm-eval's INFO."""
@@ -269,6 +272,7 @@ def test_eval_says_where_it_wrote(tmp_path, rng_seed, capsys):
     assert json.loads((run / "eval" / "tasks.json").read_text())["offline_copa"]["limit"] == 2
 
 
+@pytest.mark.slow
 def test_evaluation_outside_a_git_checkout_prints_no_git_error(tmp_path, rng_seed):
     """lm-eval asks git for the working directory's commit; a job's folder is no checkout, and the answer
     recorded is the harness's own commit, asked for quietly."""

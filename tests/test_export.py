@@ -9,8 +9,11 @@ import torch
 
 from harness.cli import main
 from harness.config import build_config
-from harness.training.checkpoint import load_model
+from harness.model.checkpoint import load_model
 from harness.training.trainer import train
+
+# Every test exports a run trained first.
+pytestmark = pytest.mark.slow
 
 transformers = pytest.importorskip("transformers")
 

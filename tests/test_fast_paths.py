@@ -1,6 +1,6 @@
 """Every hand-written backward pass and fused path against plain autograd on the reference formula, in float64.
 
-The fast paths (``variants/ops.py``, the stream read and write of HC and mHC, the Sinkhorn projection, LDM's
+The fast paths (``variants/ops/__init__.py``, the stream read and write of HC and mHC, the Sinkhorn projection, LDM's
 shared query/key MLP pass and the in-place gradient collection of its depth reads) exist for speed only; each
 must compute the same values and gradients as the plain formula it replaces, to float64 rounding.
 """
@@ -15,7 +15,7 @@ from harness import build_model, model_preset
 from variants import ldm as ldm_module
 from variants.mhc import sinkhorn_knopp, sinkhorn_reference
 from variants.ops import dot, normalized_projection, rms_scale, unit
-from variants.streams import StreamRead, StreamWrite
+from variants.ops.streams import StreamRead, StreamWrite
 
 F64 = dict(dtype=torch.float64)
 
@@ -158,6 +158,7 @@ def test_depth_read_saves_only_the_query_and_the_writes(rng_seed):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec, collected",
     [("ldm", "mixer.keys"), ("ldm-rls(groups=4)", "mixer.keys"), ("hc", "mixer.proj"), ("mhc", "mixer.phi")],
@@ -178,6 +179,7 @@ def test_collected_write_gradients_survive_a_second_backward(spec, collected, rn
     assert any(n.startswith(collected) for n in once)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec", ["attnres", "attnres-block", "attnres-block(block_size=2)", "attnres-block(block_size=3)", "denseformer"]
 )
@@ -312,7 +314,7 @@ def _whiten_formula(k, v, ridge, *writes):
 
 @pytest.mark.parametrize("n", [0, 1, 5])
 def test_whiten_backward_equals_autograd_on_its_formula(n, rng_seed):
-    from variants import rls
+    from variants.ops import rls
 
     b, g, dk, dv = 3, 2, 4, 5
     k, v = torch.randn(b, g, dk, **F64), torch.randn(b, g, dv, **F64)

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from harness.benchmarks.memory import CoreLoad, live_training_bytes
+from harness.measure import CoreLoad, live_training_bytes
 from harness.reporting import figures as figs
 from harness.reporting import frontier as fr
 from harness.reporting import items as report_items
@@ -467,6 +467,7 @@ def test_downstream_intervals_combine_seeds_and_item_error(study, tmp_path, rng_
     assert one["copa_ci95"] == pytest.approx(stats.norm.ppf(0.975) * 0.05, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_report_on_the_study_draws_every_figure_and_lists_the_registry(study, tmp_path):
     bench = pd.DataFrame(
         [

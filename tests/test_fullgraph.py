@@ -18,6 +18,9 @@ from harness.config import build_config
 from harness.model.factory import build_model
 from variants import kernels
 
+# Every test compiles with torch.compile.
+pytestmark = pytest.mark.slow
+
 KNOBS = [
     "ldm(read=memory)",
     "ldm(groups=4,key_dim=8)",

@@ -226,6 +226,7 @@ def test_paper_headline_rows_have_five_seeds_and_ablations_three():
     }
 
 
+@pytest.mark.slow
 def test_paper_matches_every_variant_with_more_than_one_percent_extra_parameters():
     """Each variant of the paper grid that adds over 1% of PreLN's parameters has a parameter-matched PreLN in
     the grid within 0.5% of its own count."""
@@ -273,6 +274,7 @@ def test_exclude_lists_match_any_value_and_refuse_values_no_run_has():
     assert combinations(tasks) == [{"eval.tasks": ["offline_piqa"]}]
 
 
+@pytest.mark.slow
 def test_paper_dry_run_warns_about_the_missing_corpus_and_submission_refuses(capsys):
     import math
 
@@ -487,33 +489,6 @@ def test_version_and_subcommand_usage(capsys):
         main(["status", "x", "--bogus"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("usage: depthmem status") and "--bogus" in err
-
-
-def test_old_run_folders_are_renamed_to_the_new_ids(tmp_path):
-    """A sweep run before ids carried axis values: its folders are found and renamed on the next submission."""
-    import json
-
-    from harness.rundir import legacy_run_id, write_config, write_status
-    from harness.sweeps.submit import _migrate
-
-    path = write(tmp_path, "name: old\nbase: {model: {preset: tiny}}\naxes: {train.lr: [1.0e-3, 2.0e-3]}\n")
-    root = tmp_path / "r"
-    first = plan(path, root=root)
-    for r in first.runs:
-        old = root / "old" / legacy_run_id(r.cfg)
-        write_config(old, r.cfg)
-        write_status(old, "done", step=5)
-        (old / "summary.json").write_text("{}")
-    (root / "old" / "sweep.json").write_text(
-        json.dumps({"runs": [{"run_id": legacy_run_id(r.cfg), "overrides": r.overrides} for r in first.runs]})
-    )
-    p = plan(path, root=root)
-    assert set(p.decisions.values()) == {"done"} and set(p.migrations) == {r.run_id for r in p.runs}
-    lines = []
-    _migrate(p, lines.append)
-    assert all((root / "old" / r.run_id / "summary.json").exists() for r in p.runs)
-    assert "renamed 2 run folder(s)" in lines[0]
-    assert not plan(path, root=root).migrations
 
 
 def test_no_controller_is_one_sentence(tmp_path, monkeypatch):

@@ -134,6 +134,7 @@ def test_off_and_cpu_without_interpreter_run_the_reference(monkeypatch):
         kernels.set_mode("fast")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "variant",
     [

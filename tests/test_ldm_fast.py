@@ -57,6 +57,7 @@ def _loss(model, idx, targets):
     return F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 1, 3], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("spec", DUAL_SPECS)
 def test_dual_equals_recurrent_values_and_gradients(spec, chunk, rng_seed):
@@ -187,6 +188,7 @@ def test_dual_state_stays_float32_under_bf16_and_float64_in_float64(spec, rng_se
     assert all(t.dtype == torch.float64 for t in state.keys + state.values)
 
 
+@pytest.mark.slow
 # -- the chunked read: writes folded into a carried memory every `chunk` writes ----------------------------------
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls(groups=4)"])
 def test_chunked_read_survives_a_second_backward_and_frees_its_memory(spec, monkeypatch, rng_seed):
@@ -196,7 +198,7 @@ def test_chunked_read_survives_a_second_backward_and_frees_its_memory(spec, monk
     import gc
     import weakref
 
-    from variants.depth_read import CarriedMemory
+    from variants.ops.depth_read import CarriedMemory
 
     model = build_model(model_preset("tiny", n_blocks=3), spec).to(torch.float64)
     model.mixer.chunk = 2
@@ -222,6 +224,7 @@ def test_chunked_read_survives_a_second_backward_and_frees_its_memory(spec, monk
     assert made[0]() is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["ldm(groups=4)", "ldm-rls(groups=4)"])
 def test_chunked_float32_stays_close_to_the_float64_recursion_at_depth(spec, rng_seed):
     """Backward recovers each earlier memory by subtracting folded writes from a float32 sum: over 48 layers and
@@ -241,6 +244,7 @@ def test_chunked_float32_stays_close_to_the_float64_recursion_at_depth(spec, rng
         assert float((p.grad.double() - want).norm() / want.norm()) < 1e-4, name
 
 
+@pytest.mark.slow
 def test_chunking_is_chosen_by_depth_and_key_width():
     """Shallow models read every write; deep ones with narrow keys fold them."""
     from variants import ldm as ldm_module

@@ -50,6 +50,7 @@ def _loss_and_grads(model, idx, targets, *, twice=False):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_recomputed_queries_give_the_forward_and_gradients_of_kept_ones(spec, monkeypatch, rng_seed):
     model = _model(spec)
@@ -68,6 +69,7 @@ def test_recomputed_queries_give_the_forward_and_gradients_of_kept_ones(spec, mo
         torch.testing.assert_close(t, 2 * w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls"])
 def test_peak_memory_of_a_step_falls_with_the_queries_not_kept(spec, monkeypatch, rng_seed):
     model = _model(spec, n_blocks=8)  # L = 16: readers 1..16 each made a query
@@ -124,7 +126,7 @@ def _tracked(monkeypatch, cls):
 def test_carried_memory_is_let_go_after_the_head_and_rebuilt_for_backward(monkeypatch, rng_seed):
     """Nothing reads the carried memory after the head's read, so the forward pass ends without it; backward
     rebuilds it from the folded writes, bit for bit the memory the forward pass read."""
-    from variants.depth_read import CarriedMemory
+    from variants.ops.depth_read import CarriedMemory
 
     model = _rls(chunk=2)
     idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
@@ -147,7 +149,7 @@ def test_a_backward_that_drops_the_graph_lets_go_of_what_only_a_second_one_needs
     """The graph's nodes live until the step ends, and with them what they hold outside their saved tensors: each
     query/key pass's input and the carried memory's folded writes are let go of once their own backward has run,
     unless the graph is kept for another backward (which test_recomputed_queries… runs)."""
-    from variants.depth_read import CarriedMemory
+    from variants.ops.depth_read import CarriedMemory
 
     model = _rls(chunk)
     idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))

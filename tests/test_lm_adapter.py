@@ -141,6 +141,7 @@ def test_is_greedy_matches_argmax(model, tokenizer, corpus, rng):
     assert checked > 0, "no context gave a re-encodable greedy token"
 
 
+@pytest.mark.slow
 def test_batch_size_and_request_order_change_nothing(model, tokenizer, corpus, rng):
     """Same answers for batch sizes 1 and 5 and for shuffled requests, including shared-context choices."""
     shared = passage(corpus, rng, 6)
@@ -198,6 +199,7 @@ def greedy_tokens(model, ids: list[int], n: int, eot: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_generate_until_is_greedy_and_stops(model, tokenizer, corpus, rng):
     """Greedy tokens up to max_gen_toks, cut at the first stop string."""
     lm = DepthmemLM(model=model, tokenizer=tokenizer, batch_size=2, device="cpu")

@@ -80,6 +80,7 @@ PINNED_SPECS = [n for n in variants.names() if not n.startswith("ldm")] + [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", PINNED_SPECS)
 def test_reconstruction_pins_the_weights(spec, rng_seed):
     """Where every group has at least as many channels as there are sources, the layer inputs determine ``c``

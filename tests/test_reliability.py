@@ -160,6 +160,7 @@ def _no_space(line: str) -> None:
     assert "free" in line, line
 
 
+@pytest.mark.slow
 class TestFullDisk:
     """Every command that writes, on a full disk: exit 1, one sentence with the space needed, no temp file left."""
 
@@ -182,7 +183,7 @@ class TestFullDisk:
     def test_a_checkpoint_that_fits_once_but_not_twice(self, tmp_path, disk, rng_seed):
         import torch
 
-        from harness.training.trainer import AtomicCheckpointIO
+        from harness.training.module import AtomicCheckpointIO
 
         d = disk(3 * 1024 * 1024)
         ckpt = d.path / "ckpt" / "last.ckpt"
@@ -284,6 +285,7 @@ def _copy_sweep(finished_sweep, tmp_path: Path) -> tuple[Path, Path, list[str]]:
     return grid, tmp_path / "results", run_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(DAMAGE))
 @pytest.mark.parametrize("name", RUN_FILES)
 class TestDamagedRunFile:
@@ -305,6 +307,7 @@ class TestDamagedRunFile:
         assert "nothing to cancel" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated"])  # every kind of damage reads alike; the status test runs them all
 @pytest.mark.parametrize("name", RUN_FILES)
 def test_train_and_report_read_past_a_damaged_run_file(capsys, tmp_path, finished_sweep, name, how):
@@ -332,6 +335,7 @@ def test_train_and_report_read_past_a_damaged_run_file(capsys, tmp_path, finishe
         assert json.loads((run / "status.json").read_text())["state"] == "done"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(DAMAGE))
 def test_damaged_sweep_record_lists_runs_from_their_folders(capsys, tmp_path, finished_sweep, how):
     grid, results, run_ids = _copy_sweep(finished_sweep, tmp_path)

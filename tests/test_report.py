@@ -18,7 +18,8 @@ from harness.reporting.items import Context
 from harness.reporting.report import report, report_spec, resolve_target
 from harness.reporting.results import aggregate, load_sweep, split_variant
 
-pytestmark = pytest.mark.xdist_group("report")
+# The study runs the reports read are trained first.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("report")]
 
 N_LAYERS = 4
 TASKS = {"arc_easy": ("acc", "acc_norm"), "piqa": ("acc", "acc_norm"), "lambada_openai": ("acc", "perplexity")}

@@ -43,6 +43,7 @@ def _curve(run: Path) -> list[tuple[str, str, str]]:
         return [(r["step"], r["train_loss"], r["val_loss"]) for r in csv.DictReader(f)]
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("ddp")
 def test_sigkill_then_rerun_matches_an_uninterrupted_run(tmp_path, tmp_path_factory):
     env = {**os.environ, "DEPTHMEM_CACHE": str(tmp_path_factory.getbasetemp().parent / "depthmem-cache")}
@@ -89,7 +90,7 @@ def test_sigkill_then_rerun_matches_an_uninterrupted_run(tmp_path, tmp_path_fact
 def test_metrics_log_appends_and_resumes_to_exactly_the_uninterrupted_rows(tmp_path):
     """Rows are appended, not rewritten; a resumed segment keeps exactly the rows up to its checkpoint step, even
     after a killed segment left later rows and a line cut short behind."""
-    from harness.training.trainer import METRICS_COLUMNS, CsvLog, _csv_text, _read_rows
+    from harness.training.runfiles import METRICS_COLUMNS, CsvLog, _csv_text, _read_rows
 
     gen = torch.Generator().manual_seed(7)
     rows = [
@@ -127,10 +128,11 @@ def test_metrics_log_appends_and_resumes_to_exactly_the_uninterrupted_rows(tmp_p
     assert [int(r["step"]) for r in _read_rows(path, 12)] == list(range(13))
 
 
+@pytest.mark.slow
 def test_an_error_mid_run_is_a_failure_with_its_cause_not_a_ctrl_c(tmp_path, monkeypatch, rng_seed):
     """Lightning marks the trainer interrupted for every exception that leaves ``fit``; only a signal may be
     reported as one, or a crashed job reads as if someone had pressed Ctrl-C."""
-    from harness.training.trainer import LitDecoder
+    from harness.training.module import LitDecoder
 
     at = 3 + rng_seed % 4
     step = LitDecoder.training_step

@@ -18,7 +18,10 @@ import torch
 
 from harness import build_model, model_preset
 from harness.model.decoder import Trace
-from variants import rls
+from variants.ops import rls
+
+# Float64 recursions at depths up to 48 layers, many cases each.
+pytestmark = pytest.mark.slow
 
 B, T, VOCAB = 2, 8, 512
 TOL = 1e-4

@@ -11,6 +11,7 @@ import variants as registry
 from harness.cli import main
 
 
+@pytest.mark.slow
 def test_selftest_on_cpu_writes_one_json_and_a_table(tmp_path, capsys):
     out = tmp_path / "selftest"
     code = main(

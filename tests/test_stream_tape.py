@@ -1,5 +1,5 @@
 """HC and mHC keep their ``n·d`` stream, and LDM with the outer-product write its residual ``x``, for backward at
-every ``segment``-th layer only (``variants/tape.py``).
+every ``segment``-th layer only (``variants/ops/tape.py``).
 
 The recomputed streams must be the forward's to the bit, whatever the segment, and what autograd saves must
 shrink by exactly the streams not kept, without a reference cycle that would hold a step's memory past its
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from harness import build_model, model_preset
 from harness.benchmarks.memory import cpu_peak_allocated_bytes, saved_activation_bytes
-from variants import tape as tape_module
+from variants.ops import tape as tape_module
 
 SPECS = ["hc", "hc(dynamic=off)", "mhc", "mhc(expansion=3,sinkhorn_iters=4)", "ldm", "ldm(read=memory)", "ldm+chunk"]
 
@@ -43,6 +43,7 @@ def _loss_and_grads(model, idx, targets, *, segment, backward_twice=False):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_stream(spec, rng_seed):
     model = _model(spec)  # L = 10 layers
@@ -63,6 +64,7 @@ def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_s
     assert all(torch.equal(g, w) for g, w in zip(hooked, want))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["hc", "mhc"])
 def test_autograd_saves_only_the_kept_streams(spec, rng_seed):
     # (LDM's residual is held by its query/key passes, not saved through autograd: the peak tests below see it.)
@@ -99,6 +101,7 @@ def test_ldm_keeps_every_residual_where_recomputing_it_would_not_save_memory(spe
         assert model.mixer.init_state(e).tape is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["mhc", "ldm"])
 def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(spec, rng_seed):
     model = _model(spec, n_blocks=8)  # L = 16: 4 of 16 streams kept (LDM: 4 of 17), 3 recomputed at a time
@@ -115,6 +118,7 @@ def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(spec, rng_seed):
     assert peak(1) - peak(None) >= (16 - 4 - 3) * stream_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["mhc", "ldm"])
 def test_the_tape_lives_no_longer_than_the_graph(spec, monkeypatch, rng_seed):
     tapes = []

@@ -17,6 +17,9 @@ from harness.rundir import read_status
 from harness.sweeps.jobstate import sweep_status
 from harness.sweeps.submit import SweepLocked, plan, sweep
 
+# Every test here trains a sweep of runs or starts its processes.
+pytestmark = pytest.mark.slow
+
 TINY_TRAIN = (
     "{max_steps: 6, batch_size: 4, warmup_steps: 1, log_every_steps: 3, val_every_steps: 3, "
     "val_batches: 1, ckpt_every_steps: 3}"

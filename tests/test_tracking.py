@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 
 from harness.config import build_config
-from harness.training.trainer import progress_line, tracking_id, train
+from harness.training.runfiles import progress_line
+from harness.training.trainer import tracking_id, train
+
+# Most tests here train a run.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 

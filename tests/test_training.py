@@ -17,9 +17,11 @@ from harness.cli import main as cli_main
 from harness.config import build_config
 from harness.data import corpus as D
 from harness.errors import RunFailed, UsageError
+from harness.model.checkpoint import load_model
 from harness.model.diagnostics import traced_forward
-from harness.training.checkpoint import load_model
-from harness.training.trainer import METRICS_COLUMNS, lr_factor, param_groups, train
+from harness.training.optim import lr_factor, param_groups
+from harness.training.runfiles import METRICS_COLUMNS
+from harness.training.trainer import train
 
 
 @pytest.fixture(autouse=True)
@@ -87,6 +89,7 @@ def test_weight_decay_only_on_matrices_and_mixer_linear_weights(variant):
     assert all((id(p) in decayed) == (id(p) in linear) for p in model.mixer.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
 def test_run_directory_contract_and_falling_loss(preln_run):
     run = preln_run
@@ -141,6 +144,7 @@ def test_run_directory_contract_and_falling_loss(preln_run):
     assert len(mixing["matrix"]) == 5
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
 def test_validation_numbers_match_an_independent_recomputation(preln_run):
     """val_loss and val_bpb from a float64 pass of the loaded model over the same windows, bytes from decoding."""
@@ -158,6 +162,7 @@ def test_validation_numbers_match_an_independent_recomputation(preln_run):
     assert summary["val_bpb"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
 def test_finished_run_returns_without_training(preln_run):
     before = (preln_run / "ckpt" / "last.ckpt").stat().st_mtime_ns, (preln_run / "metrics.csv").read_text()
@@ -167,6 +172,7 @@ def test_finished_run_returns_without_training(preln_run):
         train(tiny(25), preln_run)
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("preln_run")  # one worker trains the shared run once
 def test_load_model_rejects_corrupt_or_mismatched_checkpoints(preln_run, tmp_path):
     run = tmp_path / "run"
@@ -184,6 +190,7 @@ def test_load_model_rejects_corrupt_or_mismatched_checkpoints(preln_run, tmp_pat
         load_model(run)
 
 
+@pytest.mark.slow
 def test_other_variant_trains_and_writes_the_contract(tmp_path):
     run = train(tiny(3, "ldm-rls(groups=4)", val_every_steps=2, ckpt_every_steps=3), tmp_path / "run")
     assert rundir.read_status(run)["state"] == "done"
@@ -220,6 +227,7 @@ def test_other_variant_trains_and_writes_the_contract(tmp_path):
     assert len(summary["depth_memory"]["omega"]) == L
 
 
+@pytest.mark.slow
 def test_same_config_and_seed_give_the_same_curve(tmp_path):
     curves = []
     for i, seed in enumerate((7, 7, 8)):
@@ -228,6 +236,7 @@ def test_same_config_and_seed_give_the_same_curve(tmp_path):
     assert curves[0] == curves[1] and curves[0] != curves[2]
 
 
+@pytest.mark.slow
 def test_divergence_stops_the_run_with_status(tmp_path):
     with pytest.raises(RunFailed, match="diverged at step 1"):
         train(tiny(5, max_grad_norm_diverge=1e-4), tmp_path / "run")
@@ -236,6 +245,7 @@ def test_divergence_stops_the_run_with_status(tmp_path):
     assert not (tmp_path / "run" / "ckpt" / "last.ckpt").exists()
 
 
+@pytest.mark.slow
 def test_training_on_prepared_shards(tmp_path):
     texts = [text[:20_000] for _, text in D.shakespeare_documents()[:6]]
     for i, text in enumerate(texts):
@@ -288,7 +298,7 @@ def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
 
 
 def test_global_grad_norm_matches_the_float64_norm(rng_seed):
-    from harness.training.trainer import global_grad_norm
+    from harness.training.optim import global_grad_norm
 
     grads = [torch.randn(3 * 4096 + 17), torch.randn(64, 96) * 1e-3, torch.randn(5), torch.randn(2, 4096) * 50]
     exact = float(torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads])))
@@ -303,7 +313,7 @@ def test_global_grad_norm_matches_the_float64_norm(rng_seed):
 def test_budget_is_the_same_for_every_variant_of_a_size():
     from harness.model.costs import preln_params
     from harness.model.factory import build_model
-    from harness.training.trainer import total_steps
+    from harness.training.optim import total_steps
 
     assert total_steps(tiny(7)) == 7
     assert total_steps(tiny(0, tokens=1000)) == math.ceil(1000 / (8 * 32))

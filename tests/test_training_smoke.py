@@ -14,6 +14,9 @@ import torch.nn.functional as F
 import variants
 from harness import build_model, model_preset
 
+# Sixty optimiser steps for every registered variant.
+pytestmark = pytest.mark.slow
+
 STEPS = 60
 
 

@@ -33,7 +33,7 @@ from variants import kernels
 from variants.base import DepthMixer, register
 from variants.kernels.softmax_read import softmax_read
 from variants.ops import _rms
-from variants.tape import graph_kept
+from variants.ops.tape import graph_kept
 
 
 def mix_dtype(x: torch.Tensor) -> torch.dtype:

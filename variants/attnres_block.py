@@ -30,7 +30,6 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from harness.registry import knob
 from variants import kernels
 from variants.attnres import (
     RMS_EPS,
@@ -43,6 +42,7 @@ from variants.attnres import (
 )
 from variants.base import DepthMixer, register
 from variants.ops import _bdot, _rms
+from variants.registry import knob
 
 
 class BlockBuffers:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.registry import Registry
+from variants.registry import Registry
 
 
 class DepthMixer(nn.Module, abc.ABC):

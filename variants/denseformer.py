@@ -27,7 +27,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer, register
-from variants.tape import graph_kept
+from variants.ops.tape import graph_kept
 
 
 def mix_dtype(x: torch.Tensor) -> torch.dtype:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from harness.registry import knob
 from variants.base import register
-from variants.streams import ExpandedStream, mix_dtype
+from variants.ops.streams import ExpandedStream, mix_dtype
+from variants.registry import knob
 
 
 @register("hc")

@@ -3,19 +3,19 @@ ablation knobs of spec §5. Two streams: the residual ``x`` and a matrix memory 
 holding ``M^g ∈ R^{(d/G) × d_k}`` over the ``g``-th slice of the channels (LDM-RLS adds ``P^g ∈ R^{d_k × d_k}``).
 Layer ``l`` reads ``a_l = x_{l-1} + concat_g(M^g_{l-1} q_l^g)`` and writes ``x_l = x_{l-1} + v_l`` and either
 ``M^g_l = M^g_{l-1} + v_l^g (k_l^g)ᵀ`` (``write=outer``) or one exact RLS step (``write=rls``, in
-``variants/rls.py``). Queries and keys are unit vectors per group from small per-layer MLPs on ``x_{l-1}``, or
-with ``qk_source=read`` on the latest read (``variants/ldm_knobs.py``); the head reads like a layer with its own
+``variants/ops/rls.py``). Queries and keys are unit vectors per group from small per-layer MLPs on ``x_{l-1}``, or
+with ``qk_source=read`` on the latest read (``variants/ops/ldm_knobs.py``); the head reads like a layer with its own
 query MLP.
 
 Two implementations compute the same function (``mixer.impl``). ``dual``, the default, never forms ``M``: it keeps
 the writes ``(k_i, v_i)`` and reads ``M q = Σ_i v_i (k_iᵀ q)``, linear attention over depth (for RLS the writes are
-whitened first, ``variants/rls.py``), so backward keeps no per-layer memory and a read costs O(writes · d) per
+whitened first, ``variants/ops/rls.py``), so backward keeps no per-layer memory and a read costs O(writes · d) per
 token. The dual form also computes a layer's query and key MLPs in one pass (they read the same ``x``:
 ``shared_input_mlps``) and lets the reads add each write's gradient in place (``WriteGradient``). ``recurrent``
 materializes ``M`` (and ``P``) at every layer exactly as the spec writes it, with each MLP on its own; it is the
 reference the tests hold the dual form to, and costs O(d · d_k) per layer whatever the depth
 (docs/ldm-performance.md). In deep models with narrow keys the dual form (either write) reads
-chunkwise (``LDM.chunk``, ``variants/depth_read.py``): every ``C`` writes are folded into a carried ``M``, so a read
+chunkwise (``LDM.chunk``, ``variants/ops/depth_read.py``): every ``C`` writes are folded into a carried ``M``, so a read
 is ``M q`` plus the writes since the latest fold, and its cost stops growing with depth.
 
 Axes: b batch, t time, d width, g groups, v value width d/G, k key width d_k, l depth.
@@ -34,15 +34,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harness.registry import format_value, knob
-from variants import kernels, ldm_costs, ldm_knobs, rls
+from variants import kernels
 from variants.base import DepthMixer, register
-from variants.depth_read import CarriedMemory, CarriedRead, DepthRead, Fold, WriteGradient
-from variants.gradients import Gathered
 from variants.kernels.depth_read import depth_read
-from variants.layers import RMSNorm
-from variants.ops import rms_scale, unit
-from variants.tape import Recomputes, Tape, default_segment, graph_kept
+from variants.ops import ldm_costs, ldm_knobs, rls, rms_scale, unit
+from variants.ops.depth_read import CarriedMemory, CarriedRead, DepthRead, Fold, WriteGradient
+from variants.ops.gradients import Gathered
+from variants.ops.layers import RMSNorm
+from variants.ops.tape import Recomputes, Tape, default_segment, graph_kept
+from variants.registry import format_value, knob
 
 READS = ("residual+memory", "memory", "residual")
 NORM_EPS = 1e-6  # the mixer does not see the model's norm_eps; the decoder's default
@@ -63,7 +63,7 @@ class LDMState(NamedTuple):
 
 
 class Carried(NamedTuple):
-    """The chunkwise read's carried memory (``variants/depth_read.py``) and the token of its latest fold."""
+    """The chunkwise read's carried memory (``variants/ops/depth_read.py``) and the token of its latest fold."""
 
     memory: CarriedMemory
     token: torch.Tensor
@@ -71,7 +71,7 @@ class Carried(NamedTuple):
 
 class DualState(NamedTuple):
     """The dual form's streams: residual ``x`` (b, t, d) and the writes so far, keys (b, t, g, k) and values
-    (b, t, g, v), whitened for RLS (``variants/rls.py``); ``M`` and ``P`` rebuild the recurrent form's memory
+    (b, t, g, v), whitened for RLS (``variants/ops/rls.py``); ``M`` and ``P`` rebuild the recurrent form's memory
     from them, for inspection and tests. With chunked reads (``LDM.chunk``) the writes are those since the latest
     fold, and ``carried`` holds the memory of the folded ones; it grows in place, so a state is current only until
     the next write."""
@@ -158,7 +158,7 @@ class MLPPass(Recomputes):
     tensors per layer, the largest share of the mixer's saved memory).
 
     The pass keeps no tensor of its own for backward. Its input comes back from the residual stream's tape
-    (``variants/tape.py``) where the mixer has one, or is held here (the residual or a read, which the model holds
+    (``variants/ops/tape.py``) where the mixer has one, or is held here (the residual or a read, which the model holds
     anyway). ``finish`` (the normalization of queries and keys) runs inside the pass, so the nodes of the same
     layer that use its outputs need not keep them either: within ``keeping(t)`` autograd gets a handle for output
     ``t``. The first backward to need the pass (the read's, the whitening's, or the pass's own) runs it again with
@@ -727,7 +727,8 @@ class LDM(DepthMixer):
         return self.d_model + self.G * self.dv * self.dk + (self.G * self.dk**2 if self.rls else 0)
 
     def extra_flops_per_token(self):
-        """Analytic forward FLOPs per token over PreLN for the implementation that runs (``variants/ldm_costs.py``)."""
+        """Analytic forward FLOPs per token over PreLN for the implementation that runs
+        (``variants/ops/ldm_costs.py``)."""
         return sum(ldm_costs.flops_per_token(self))
 
     @torch.no_grad()

@@ -1,6 +1,6 @@
 """LDM-RLS (spec §4): the linear depth memory of ``variants/ldm.py`` with the exact recursive-least-squares write,
 forgetting λ, importance ω and ridge α. The model is ``LDM`` with ``write=rls``; its memory math (the recursion, the
-dual form's whitening and the closed forms it is tested against) lives in ``variants/rls.py`` and is importable
+dual form's whitening and the closed forms it is tested against) lives in ``variants/ops/rls.py`` and is importable
 from here too.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from variants.base import register
 from variants.ldm import LDM
-from variants.rls import (  # noqa: F401  (the memory math, importable from the variant's module)
+from variants.ops.rls import (  # noqa: F401  (the memory math, importable from the variant's module)
     LAMBDA_INIT,
     LAMBDA_MIN,
     closed_form_memory,

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from harness.registry import knob
 from variants.base import register
 from variants.kernels import sinkhorn as sinkhorn_kernel
-from variants.streams import ExpandedStream, mix_dtype
+from variants.ops.streams import ExpandedStream, mix_dtype
+from variants.registry import knob
 
 OFF_DIAGONAL_LOGIT = -8.0  # exp(-8) ≈ 3e-4: H^res starts within 1e-3 of the identity for n up to 4
 

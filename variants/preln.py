@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.errors import UsageError
-from harness.registry import knob
 from variants.base import DepthMixer, prefix_ones, register
+from variants.errors import UsageError
+from variants.registry import knob
 
 
 def _parse_match(text: str) -> str:

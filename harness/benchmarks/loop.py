@@ -104,7 +104,8 @@ def run_config(
 def bare_loop(cfg, steps: int) -> float:
     """Seconds of steps ``2 .. steps`` of the plain loop: forward, loss, backward, clip, AdamW, schedule."""
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
-    from harness.training.trainer import compiles, lr_factor, on_gpu, seq_len_of
+    from harness.training.budget import seq_len_of
+    from harness.training.optim import compiles, lr_factor, on_gpu
 
     t = cfg.train
     tokens = datalib.load_tokens(cfg, datalib.get_tokenizer(cfg)).train
@@ -151,7 +152,8 @@ def harness_loop(cfg, run_dir: Path) -> tuple[float, float]:
     """(seconds of steps ``2 .. steps`` from the logged rates of ``train``, the run's whole wall time)."""
     import csv
 
-    from harness.training.trainer import seq_len_of, train
+    from harness.training.budget import seq_len_of
+    from harness.training.trainer import train
 
     started = time.perf_counter()
     train(cfg, run_dir, resume=False)

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from harness.benchmarks.benchmark import resolve_variants
-from harness.benchmarks.memory import AllocatorPeak, live_training_bytes
 from harness.config import model_preset
+from harness.measure import AllocatorPeak, live_training_bytes
 from harness.model.factory import build_model
 
 GIB = 1024**3

@@ -43,7 +43,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from harness.evaluation.evaluator import check_device, check_options, evaluate, parse_tasks, run_directory
-    from harness.training.checkpoint import check_not_sweep
+    from harness.model.checkpoint import check_not_sweep
 
     check_not_sweep(Path(args.path))
     check_options(limit=args.limit, batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)

@@ -189,7 +189,7 @@ def evaluate(
     path = Path(run_dir_or_ckpt)
     if not path.exists():
         raise UsageError(f"{str(path)!r} does not exist: give a run directory or a .ckpt file.")
-    from harness.training.checkpoint import check_not_sweep
+    from harness.model.checkpoint import check_not_sweep
 
     check_not_sweep(path)
     names = parse_tasks(tasks)

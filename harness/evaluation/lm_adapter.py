@@ -27,7 +27,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from harness.errors import UsageError
-from harness.training.checkpoint import load_model
+from harness.model.checkpoint import load_model
 
 log = logging.getLogger(__name__)
 

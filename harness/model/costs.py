@@ -6,7 +6,7 @@ also relative to PreLN's own totals. Only the mixers are built, on the meta devi
 costs no memory. PreLN's forward FLOPs per token count every matrix multiply at 2 FLOPs per multiply-add:
 the projections, the MLP and the head, plus the attention scores and weighted sum over the full context
 (``4·T·d`` per attention layer, as the math kernel computes them); norms and activations are not counted.
-A mixer with more than one implementation counts the one it runs by default (LDM: ``variants/ldm_costs.py``).
+A mixer with more than one implementation counts the one it runs by default (LDM: ``variants/ops/ldm_costs.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 
 from harness.config import ModelConfig, model_preset
+from harness.model.decoder import preln_params
 from harness.model.factory import matched_ffn_hidden
 
 COLUMNS = [
@@ -25,14 +26,6 @@ COLUMNS = [
     "extra_flops_per_token",
     "extra_flops_frac",
 ]
-
-
-def preln_params(model: ModelConfig) -> int:
-    """Parameters of the PreLN decoder of this size, counted from the config."""
-    d, f, V = model.d_model, model.ffn_hidden, model.vocab_size
-    per_block = 4 * d * d + 3 * d * f + 2 * d  # attention, SwiGLU, the two pre-norm gains
-    head = 0 if model.tie_embeddings else V * d
-    return V * d + model.n_blocks * per_block + d + head
 
 
 def preln_flops_per_token(model: ModelConfig, seq_len: int | None = None) -> int:

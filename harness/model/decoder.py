@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.config import ModelConfig
-from variants.layers import RMSNorm  # noqa: F401  (shared with the mixers; importable from here as before)
+from variants.ops.layers import RMSNorm  # noqa: F401  (shared with the mixers; importable from here as before)
+
+
+def preln_params(model: ModelConfig) -> int:
+    """Parameters of the PreLN decoder of this size, counted from the config."""
+    d, f, V = model.d_model, model.ffn_hidden, model.vocab_size
+    per_block = 4 * d * d + 3 * d * f + 2 * d  # attention, SwiGLU, the two pre-norm gains
+    head = 0 if model.tie_embeddings else V * d
+    return V * d + model.n_blocks * per_block + d + head
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float, device=None):

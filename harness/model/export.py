@@ -18,7 +18,7 @@ import torch
 from harness.data.tokenizer import EOT
 from harness.errors import UsageError
 from harness.io import honour_umask, writable_dir
-from harness.training.checkpoint import load_model
+from harness.model.checkpoint import load_model
 
 
 def llama_state_dict(model) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 import variants
 from harness.config import ModelConfig
 from harness.errors import UsageError
-from harness.model.decoder import Decoder
+from harness.model.decoder import Decoder, preln_params
 
 
 def build_model(model: ModelConfig, variant: str = "preln") -> Decoder:
@@ -79,9 +79,6 @@ def matched_ffn_hidden(model: ModelConfig, target: str, extra_params: int = 0) -
     """The MLP width at which this size's decoder, with a mixer of ``extra_params`` parameters, has as many
     parameters as the decoder with the variant ``target``: one more hidden unit adds ``3 d`` per block (gate,
     up and down projections), so the nearest width is off by at most ``1.5 d`` per block."""
-    # Imported here: costs imports this module at its top (a cycle) and loads pandas.
-    from harness.model.costs import preln_params
-
     with torch.device("meta"):  # shapes only
         wanted = build_model(model, target).num_params()
     per_unit = 3 * model.d_model * model.n_blocks

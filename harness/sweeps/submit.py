@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import shutil
 import subprocess
 import time
@@ -30,7 +29,7 @@ from typing import Any
 from harness import preflight, tracking, units
 from harness.errors import DepthmemError, UsageError
 from harness.io import atomic_write_json, remove_stale_temps, writable_dir
-from harness.rundir import legacy_run_id, now_iso, read_status, read_sweep_record, write_config, write_status
+from harness.rundir import now_iso, read_status, read_sweep_record, write_config, write_status
 from harness.sweeps.grid import Grid, GridRun, axis_keys, check_tune, expand, load_grid
 from harness.sweeps.job import RunJob, pending_tasks
 from harness.sweeps.jobstate import default_root, format_rows, run_rows, stop_local, sweep_status
@@ -65,8 +64,6 @@ class Plan:
     """run_id -> ``submit``, ``resume``, ``evaluate``, ``done``, ``queued``, ``failed`` (skipped), ``retry`` or
     ``waiting`` (for its cell's tuning runs)."""
     warnings: list[str] = field(default_factory=list)
-    migrations: dict[str, str] = field(default_factory=dict)
-    """run_id -> the folder name the same run has under the earlier id scheme, to be renamed on submission."""
     axes: list[str] = field(default_factory=list)
     backfill: list[str] = field(default_factory=list)
     """Finished runs whose ``train.logger`` has not seen their metrics; the submission sends them from metrics.csv."""
@@ -183,12 +180,7 @@ def _decide(p: Plan, retry_failed: bool, runs: list[GridRun] | None = None) -> N
     states = {row["run_id"]: row for row in run_rows(sweep_dir, read_sweep_record(sweep_dir))}
     for r in runs:
         run_dir = sweep_dir / r.run_id
-        if not run_dir.exists():
-            old = legacy_run_id(r.cfg)
-            if old != r.run_id and (sweep_dir / old / "config.json").exists():
-                p.migrations[r.run_id] = old
-                run_dir = sweep_dir / old
-        row = states.get(p.migrations.get(r.run_id, r.run_id), {})
+        row = states.get(r.run_id, {})
         state = row.get("state", "pending")
         if row.get("job_active"):
             p.decisions[r.run_id] = "queued"
@@ -443,7 +435,6 @@ def sweep(
 def _run_stage(p: Plan, log, wait: bool, poll_s: float) -> dict[str, Any]:
     """Submit one stage's unfinished runs (and with ``wait``, wait for them); returns their jobs by run id."""
     writable_dir(p.sweep_dir, "sweep folder")
-    _migrate(p, log)
     _announce(p, log)
     _backfill(p, log)
     todo = p.to_submit()
@@ -506,32 +497,6 @@ def _backfill(p: Plan, log) -> None:
     log(
         f"sent the metrics of {len(p.backfill)} finished run(s) to {' and '.join(where[n] for n in names)} "
         "from their metrics.csv; nothing was trained again"
-    )
-
-
-def _migrate(p: Plan, log) -> None:
-    """Rename run folders of the earlier id scheme (``<variant>-<hash>-s<seed>``) to the runs' current ids."""
-    if not p.migrations:
-        return
-    rows = {r["run_id"]: r for r in run_rows(p.sweep_dir, read_sweep_record(p.sweep_dir))}
-    for old in p.migrations.values():
-        if rows.get(old, {}).get("job_active"):
-            raise UsageError(
-                f"The run folder {old} still has a job running under the earlier id scheme; wait "
-                f"for it to end (depthmem status {p.grid.name}) and submit again."
-            )
-    record = read_sweep_record(p.sweep_dir)
-    renamed = {old: new for new, old in p.migrations.items()}
-    for new, old in p.migrations.items():
-        os.rename(p.sweep_dir / old, p.sweep_dir / new)
-    for entry in record.get("runs", []):
-        if entry.get("run_id") in renamed:
-            entry.update(run_id=renamed[entry["run_id"]], run_dir=renamed[entry["run_id"]])
-    if record:
-        atomic_write_json(p.sweep_dir / "sweep.json", record)
-    log(
-        f"renamed {len(renamed)} run folder(s) to ids that carry their grid values, e.g. "
-        f"{next(iter(renamed))} -> {next(iter(renamed.values()))}"
     )
 
 
@@ -777,11 +742,6 @@ def describe_plan(p: Plan) -> str:
         lines.append(
             f"{len(p.backfill)} finished run(s) never sent their metrics to {' or '.join(loggers)}: "
             "a submission sends them from each run's metrics.csv and config, training nothing again"
-        )
-    if p.migrations:
-        lines.append(
-            f"{len(p.migrations)} run folder(s) of the earlier id scheme will be renamed on submission, "
-            f"e.g. {next(iter(p.migrations.values()))} -> {next(iter(p.migrations))}"
         )
     lines += [f"warning: {w}" for w in p.warnings]
     return "\n".join(lines)

@@ -72,7 +72,7 @@ def learned_lambda(ctx: Context) -> tuple[Figure, str]:
 def lambda_seeds(ctx: Context) -> tuple[Figure, str]:
     """How far λ moved, seed by seed: λ per layer (mean over memory groups), one line per seed, the band from the
     smallest to the largest value over seeds and groups, and the value every learned λ starts from."""
-    from variants.rls import LAMBDA_INIT  # imported here: it loads torch
+    from variants.ops.rls import LAMBDA_INIT  # imported here: it loads torch
 
     by_variant, note = _depth_memory_runs(ctx, "lambda")
     # A fixed λ records its constant: only learned ones can have moved.

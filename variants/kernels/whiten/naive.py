@@ -1,4 +1,4 @@
-"""LDM-RLS's write in plain PyTorch: one Gram–Schmidt step of the dual form (``variants/rls.py``).
+"""LDM-RLS's write in plain PyTorch: one Gram–Schmidt step of the dual form (``variants/ops/rls.py``).
 
 With the earlier whitened writes ``k̃_j``, ``ṽ_j`` and this write's ridge entry ``d``: ``l_j = k̃_jᵀ k``,
 ``δ² = max(|k|² + d − Σ l_j², d)``, ``k̃ = (k − Σ l_j k̃_j) / δ``, ``ṽ = (v − Σ l_j ṽ_j) / δ``; and per row the

@@ -200,7 +200,7 @@ class _Whiten(torch.autograd.Function):
 
 
 class _CarriedWhiten(torch.autograd.Function):
-    """``_Whiten`` after writes folded into a carried memory (``variants/depth_read.py``, with the keys' Gram
+    """``_Whiten`` after writes folded into a carried memory (``variants/ops/depth_read.py``, with the keys' Gram
     ``S``): over the folded writes ``Σ l_j k̃_j = S k``, ``Σ l_j ṽ_j = M k`` and ``Σ l_j² = kᵀ S k``, so they cost
     three batched products whatever their number; the writes since the latest fold are projected out one by one
     as in ``_Whiten``. ``apply(k, v, ridge, memory, token, grads, *keys, *values)``; ``token`` orders the backward
@@ -280,7 +280,7 @@ def whiten(
     ``δ² = |k|² + d_n − |l|²`` its diagonal entry. The margin is how much of ``|k|² + d_n`` survives that
     subtraction: rounding errors in ``δ²`` are relative to ``|k|² + d_n``, so a margin near the precision's epsilon
     means ``δ`` (and every later read) has lost its digits. With ``carried`` (the ``(memory, token)`` of chunked
-    reads, ``variants/depth_read.py``) the earlier writes are the folded ones in its memory and ``keys``.
+    reads, ``variants/ops/depth_read.py``) the earlier writes are the folded ones in its memory and ``keys``.
     """
     if grads is None:
         grads = (None,) * len(keys)

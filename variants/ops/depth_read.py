@@ -22,13 +22,13 @@ from typing import NamedTuple
 
 import torch
 
-from variants.gradients import GradientSum
 from variants.ops import _bdot
-from variants.tape import graph_kept
+from variants.ops.gradients import GradientSum
+from variants.ops.tape import graph_kept
 
 
 class WriteGradient(NamedTuple):
-    """Where the reads add a write's key and value gradients (``variants/gradients.py``): a read returns None for
+    """Where the reads add a write's key and value gradients (``variants/ops/gradients.py``): a read returns None for
     the write, and the write's ``Gathered`` node hands both sums to autograd after every read's backward."""
 
     key: GradientSum
@@ -115,7 +115,8 @@ def _split(VK: torch.Tensor, v: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 class CarriedMemory:
     """``M = Σ v_i k_iᵀ`` over the folded writes of one forward pass, (B, v, k), shared by its folds and reads;
-    with ``gram`` also the keys' ``S = Σ k_i k_iᵀ`` (B, k, k), which LDM-RLS's whitening reads (``variants/rls.py``).
+    with ``gram`` also the keys' ``S = Σ k_i k_iᵀ`` (B, k, k), which LDM-RLS's whitening reads
+    (``variants/ops/rls.py``).
 
     In forward the memories grow in place, one fold per chunk. In backward they hold their value as of fold
     ``phase`` (the latest fold whose writes they include), which each fold's backward lowers by one, and ``grad``

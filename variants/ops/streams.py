@@ -12,7 +12,7 @@ connections' RMSNorm after their projection (``normalized_projection``) and, in 
 hand-written backward. ``reference`` is the plain form of all three; tests/test_fast_paths.py holds the fused one
 to it in float64, and docs/notes/benchmark-history.md has what each change saved.
 
-The fused path also checkpoints the stream (``StreamTape``, on ``variants/tape.py``). Every layer's read,
+The fused path also checkpoints the stream (``StreamTape``, on ``variants/ops/tape.py``). Every layer's read,
 connections and write need that layer's ``X`` in backward, ``n·d`` floats per token per layer, which was most of
 what HC and mHC held above PreLN. Autograd keeps ``X`` only at every ``segment``-th layer (``⌈√L⌉`` by default);
 the others are recomputed in backward, one segment at a time, from the nearest kept ``X`` and the writes
@@ -30,9 +30,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from variants.base import DepthMixer
-from variants.gradients import Gathered, GradientSum
 from variants.ops import normalized_projection
-from variants.tape import Tape, default_segment
+from variants.ops.gradients import Gathered, GradientSum
+from variants.ops.tape import Tape, default_segment
 
 
 def mix_dtype(x: torch.Tensor) -> torch.dtype:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from variants.gradients import GradientSum
+from variants.ops.gradients import GradientSum
 
 
 def _bdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -133,5 +133,5 @@ def normalized_projection(
 
     The product's rows are scaled instead of ``x``, so the normalized copy of ``x`` and its gradient are never
     made. Backward makes ``x``'s gradient in one buffer, the product's share added in place onto the norm's; given a
-    ``GradientSum`` of ``x`` (``variants/gradients.py``), it adds that gradient there instead and returns none."""
+    ``GradientSum`` of ``x`` (``variants/ops/gradients.py``), it adds that gradient there instead and returns none."""
     return _NormalizedProjection.apply(x, weight, eps, dims, grad)
