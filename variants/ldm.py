@@ -27,256 +27,28 @@ import contextlib
 import math
 import operator
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from variants import kernels
 from variants.base import DepthMixer, register
 from variants.kernels.depth_read import depth_read
-from variants.ops import ldm_costs, ldm_knobs, rls, rms_scale, unit
+from variants.ops import ldm_costs, ldm_knobs, rls, unit
 from variants.ops.depth_read import CarriedMemory, CarriedRead, DepthRead, Fold, WriteGradient
 from variants.ops.gradients import Gathered
-from variants.ops.layers import RMSNorm
-from variants.ops.tape import Recomputes, Tape, default_segment, graph_kept
-from variants.registry import format_value, knob
+from variants.ops.ldm_state import Carried, DualState, LDMState
+from variants.ops.mlp_pass import NORM_EPS, MLPPass, RawKey, SmallMLP, shared_input_mlps  # noqa: F401
+from variants.ops.tape import Tape, default_segment
+from variants.registry import knob
 
 READS = ("residual+memory", "memory", "residual")
-NORM_EPS = 1e-6  # the mixer does not see the model's norm_eps; the decoder's default
 
 
 def _parse_lambda(text: str) -> str | float:
     return "learned" if text.strip().lower() == "learned" else float(text)
-
-
-class LDMState(NamedTuple):
-    """The recurrent form's streams after a layer: residual ``x`` (b, t, d), memory ``M`` (b, t, g, v, k) or None
-    while it is still zero, and for RLS the inverse key covariance ``P`` (b, t, g, k, k)."""
-
-    x: torch.Tensor
-    M: torch.Tensor | None
-    P: torch.Tensor | None
-    pending: dict | None = None  # qk_source=read: the latest read, under "read" (see ``LDM._qk_input``)
-
-
-class Carried(NamedTuple):
-    """The chunkwise read's carried memory (``variants/ops/depth_read.py``) and the token of its latest fold."""
-
-    memory: CarriedMemory
-    token: torch.Tensor
-
-
-class DualState(NamedTuple):
-    """The dual form's streams: residual ``x`` (b, t, d) and the writes so far, keys (b, t, g, k) and values
-    (b, t, g, v), whitened for RLS (``variants/ops/rls.py``); ``M`` and ``P`` rebuild the recurrent form's memory
-    from them, for inspection and tests. With chunked reads (``LDM.chunk``) the writes are those since the latest
-    fold, and ``carried`` holds the memory of the folded ones; it grows in place, so a state is current only until
-    the next write."""
-
-    x: torch.Tensor
-    keys: tuple[torch.Tensor, ...] = ()
-    values: tuple[torch.Tensor, ...] = ()
-    decay: torch.Tensor | None = None  # RLS: Π_j λ_j over the writes so far, (g,)
-    alpha: float | None = None  # RLS: the ridge scale; None for the outer-product write
-    # Key-MLP outputs a read computed alongside its query, by layer, for the write of the same layer to take;
-    # with qk_source=read also the latest read, under "read".
-    pending: dict | None = None
-    grads: tuple[WriteGradient | None, ...] = ()  # per write, where the reads add its gradient (DepthRead)
-    # RLS: every write as it came, (k, v, λ, ω), for the float64 recursion to start from if whitening loses its
-    # digits (rls.whiten's margin); then ``exact`` holds that recursion's (M, P) and the reads use it.
-    raw: tuple = ()
-    exact: tuple[torch.Tensor, torch.Tensor] | None = None
-    carried: Carried | None = None
-    # With the outer-product write, the residual x for backward at every ``segment()``-th layer only (``LDM.tape``)
-    tape: Tape | None = None
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        """The precision the memory is kept in: float32, or the residual's if wider."""
-        return torch.promote_types(self.x.dtype, torch.float32)
-
-    @property
-    def M(self) -> torch.Tensor | None:
-        """``Σ_i ṽ_i k̃_iᵀ`` (b, t, g, v, k), or None before the first write."""
-        if self.exact is not None:
-            return self.exact[0].to(self._dtype)
-        parts = [v.unsqueeze(-1) * k.unsqueeze(-2) for k, v in zip(self.keys, self.values)]
-        if self.carried is not None:
-            memory = self.carried.memory
-            memory.at(memory.folds - 1)  # rebuilt if the head's read released it
-            parts.insert(0, memory.M.detach().clone().unflatten(0, memory.shape))
-        return sum(parts) if parts else None
-
-    @property
-    def P(self) -> torch.Tensor | None:
-        """RLS: ``(α / Π λ)(I − Σ_i k̃_i k̃_iᵀ)`` (b, t, g, k, k) by Woodbury; None before the first write."""
-        if self.alpha is None or not (self.keys or self.carried is not None):
-            return None
-        if self.exact is not None:
-            return self.exact[1].to(self._dtype)
-        parts = [k.unsqueeze(-1) * k.unsqueeze(-2) for k in self.keys]  # each exactly symmetric
-        if self.carried is not None:
-            memory = self.carried.memory
-            memory.at(memory.folds - 1)
-            S = memory.S.detach().unflatten(0, memory.shape)
-            parts.insert(0, (S + S.mT) / 2)  # a batched product's sum, symmetric up to its rounding
-        eye = torch.eye(parts[0].shape[-1], dtype=parts[0].dtype, device=parts[0].device)
-        return (self.alpha / self.decay)[:, None, None] * (eye - sum(parts))
-
-
-class SmallMLP(nn.Module):
-    """``RMSNorm → Linear(d, h) → SiLU → Linear(h, out)``: one layer's query or key network (spec §3)."""
-
-    def __init__(self, d: int, hidden: int, out: int):
-        super().__init__()
-        self.norm = RMSNorm(d, NORM_EPS)
-        # Biases: the spec leaves them open; kept, as in a default nn.Linear.
-        self.fc1 = nn.Linear(d, hidden)
-        self.fc2 = nn.Linear(hidden, out)
-
-    def forward(self, x):
-        # Weights are cast to the input's precision so the memory math stays float32 even when the model's
-        # parameters are bf16 (and float64 in a float64 model).
-        dt = x.dtype
-        h = F.silu(F.linear(self.norm(x), self.fc1.weight.to(dt), self.fc1.bias.to(dt)))
-        return F.linear(h, self.fc2.weight.to(dt), self.fc2.bias.to(dt))
-
-
-def shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tensor]:
-    """``[mlp(x) for mlp in mlps]``, for MLPs that all read ``x``: one RMS normalization and one first-layer
-    product for all of them, each norm's gain folded into its first layer's weights; under autograd recomputed
-    in backward (``MLPPass``)."""
-    return MLPPass(mlps).run(x)
-
-
-class MLPPass(Recomputes):
-    """One pass of query/key MLPs over one input (``_shared_input_mlps``), recomputed in backward at most once for
-    everything that needs it, instead of keeping its normalized input and hidden layer (three (b, t, d)-sized
-    tensors per layer, the largest share of the mixer's saved memory).
-
-    The pass keeps no tensor of its own for backward. Its input comes back from the residual stream's tape
-    (``variants/ops/tape.py``) where the mixer has one, or is held here (the residual or a read, which the model holds
-    anyway). ``finish`` (the normalization of queries and keys) runs inside the pass, so the nodes of the same
-    layer that use its outputs need not keep them either: within ``keeping(t)`` autograd gets a handle for output
-    ``t``. The first backward to need the pass (the read's, the whitening's, or the pass's own) runs it again with
-    autograd on, for all of them. Recomputation repeats the same operations on the same inputs, so values and
-    gradients are the forward's bit for bit."""
-
-    def __init__(self, mlps, finish=None, tape: Tape | None = None, layer: int = 0):
-        self.mlps, self.finish = mlps, finish
-        self.tape, self.layer = tape, layer
-        self.x: torch.Tensor | None = None
-        self.dtype: torch.dtype | None = None
-        self.graph: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        self.recomputes = False
-        self._outputs: list[int] = []  # the outputs' storages, by position
-
-    def _forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        outs = _shared_input_mlps(x.to(self.dtype), self.mlps)
-        return outs if self.finish is None else self.finish(outs)
-
-    def run(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """The MLPs' outputs on ``x`` taken in ``dtype`` (``x``'s own by default), through ``finish``."""
-        self.dtype = dtype or x.dtype
-        params = [p for m in self.mlps for p in m.parameters()]
-        if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
-            return self._forward(x)
-        if torch.compiler.is_compiling():
-            return list(checkpoint(self._forward, x, use_reentrant=False))
-        if self.tape is not None:
-            self.tape.keep(self.layer, x)
-        else:
-            self.x = x.detach()  # the residual or a read, which the model holds anyway
-        self.recomputes = True
-        outs = list(_RecomputedMLPs.apply(x, self, *params))
-        self._outputs = [o.untyped_storage().data_ptr() for o in outs]
-        return outs
-
-    def recomputed(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The input (a leaf) and the outputs of the pass run again with autograd on, until its backward used them."""
-        if self.graph is None:
-            x = self.tape.stream(self.layer) if self.tape is not None else self.x
-            # The recomputation's saved tensors live only in this backward: hooks around the forward (save_on_cpu,
-            # a meter of saved bytes) are not for them, so an innermost pair of hooks keeps them as they are.
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, _identity):
-                x = x.detach().requires_grad_()
-                self.graph = (x, self._forward(x))
-        return self.graph
-
-    def again(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The pass on ``x`` once more, with autograd as the caller has it: for a use of an output that comes after
-        the pass's backward would have recomputed it (``RawKey``)."""
-        return self._forward(x)
-
-    def index(self, t: torch.Tensor) -> int | None:
-        """Which output of the pass ``t`` is, or None where the pass does not recompute (nothing to save)."""
-        return self._outputs.index(t.untyped_storage().data_ptr()) if self.recomputes else None
-
-    def keeping(self, t: torch.Tensor):
-        """A context in which autograd keeps ``t``, an output of this pass, as a handle to its recomputation."""
-        if not self.recomputes:
-            return contextlib.nullcontext()
-        return self._instead_of(t, self.index(t))
-
-    def recompute(self, index: int) -> torch.Tensor:
-        return self.recomputed()[1][index].detach()
-
-
-class RawKey(NamedTuple):
-    """LDM-RLS's raw key for the float64 hand-over (``rls.replay``), made again from its pass's input if the
-    hand-over happens rather than kept alive through the forward pass: a (b, t, d)-sized tensor per layer that
-    nothing else keeps. The pass runs with autograd on its input, which the model holds anyway, so the replay's
-    gradient reaches the MLPs and the residual as the kept key's would."""
-
-    mlp_pass: MLPPass
-    x: torch.Tensor
-    index: int
-
-    def __call__(self) -> torch.Tensor:
-        return self.mlp_pass.again(self.x)[self.index]
-
-
-class _RecomputedMLPs(torch.autograd.Function):
-    """``MLPPass``'s node: ``apply(x, mlp_pass, *params)`` with ``params`` every MLP's parameters in ``parameters()``
-    order, so that autograd hands them their gradients. It saves nothing; backward takes the recomputed pass."""
-
-    @staticmethod
-    def forward(ctx, x, mlp_pass, *params):
-        ctx.mlp_pass = mlp_pass
-        return tuple(mlp_pass._forward(x))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *douts):
-        mlp_pass, need = ctx.mlp_pass, ctx.needs_input_grad
-        x, outs = mlp_pass.recomputed()
-        mlp_pass.graph = None  # used: a second backward through a retained graph recomputes it
-        if not graph_kept():
-            mlp_pass.x = None  # the graph holds this node until the step ends; its input is not needed again
-        params = [p for m in mlp_pass.mlps for p in m.parameters()]
-        used = [(o, g) for o, g in zip(outs, douts) if g is not None]
-        inputs = [x] + [p for p, n in zip(params, need[2:]) if n]
-        if not used:
-            return (None,) * len(need)
-        grads = iter(torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used], allow_unused=True))
-        dx = next(grads)
-        return dx if need[0] else None, None, *(next(grads) if n else None for n in need[2:])
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _shared_input_mlps(x: torch.Tensor, mlps: list[SmallMLP]) -> list[torch.Tensor]:
-    dt = x.dtype
-    xn = x * rms_scale(x, NORM_EPS)
-    w1 = torch.cat([m.fc1.weight.to(dt) * m.norm.weight.to(dt) for m in mlps])
-    b1 = torch.cat([m.fc1.bias.to(dt) for m in mlps])
-    hidden = F.silu(F.linear(xn, w1, b1)).split([m.fc1.out_features for m in mlps], dim=-1)
-    return [F.linear(h, m.fc2.weight.to(dt), m.fc2.bias.to(dt)) for h, m in zip(hidden, mlps)]
 
 
 CHUNK = 4
@@ -334,44 +106,9 @@ class LDM(DepthMixer):
         )
 
         def __post_init__(self):
-            if self.write not in ("outer", "rls"):
-                raise ValueError(f"write must be outer or rls, got {self.write!r}")
-            if self.read not in READS:
-                raise ValueError(f"read must be one of {', '.join(READS)}, got {self.read!r}")
-            for name in ("residual_write", "omega"):
-                if not isinstance(getattr(self, name), bool):
-                    raise ValueError(f"{name} must be on or off, got {getattr(self, name)!r}")
             if self.qk_source is None:  # frozen: set once here, so the config says what the model does
                 object.__setattr__(self, "qk_source", ldm_knobs.default_qk_source(self.residual_write))
-            if self.qk_source not in ldm_knobs.QK_SOURCES:
-                raise ValueError(f"qk_source must be one of {', '.join(ldm_knobs.QK_SOURCES)}, got {self.qk_source!r}")
-            if not isinstance(self.groups, int) or self.groups < 1:
-                raise ValueError(f"groups must be a positive integer dividing d_model, got {self.groups!r}")
-            if not isinstance(self.key_dim, int) or self.key_dim < 0:
-                raise ValueError(f"key_dim must be a positive integer, or 0 for d_model / groups, got {self.key_dim!r}")
-            if not isinstance(self.qk_hidden, int) or self.qk_hidden < 1:
-                raise ValueError(f"qk_hidden must be a positive integer, got {self.qk_hidden!r}")
-            lam = self.lambda_
-            if lam != "learned" and not (
-                isinstance(lam, (int, float)) and not isinstance(lam, bool) and 0.0 < lam <= 1.0
-            ):
-                raise ValueError(f"lambda must be learned or a number in (0, 1], got {lam!r}")
-            for key, value in (("alpha", self.alpha), ("scalar_lr", self.scalar_lr)):
-                if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                    raise ValueError(f"{key} must be a number > 0, got {value!r}")
-            if self.write == "outer":
-                for key, value, default in (
-                    ("lambda", lam, "learned"),
-                    ("omega", self.omega, True),
-                    ("alpha", self.alpha, 1.0),
-                    ("scalar_lr", self.scalar_lr, 1.0),
-                ):
-                    if value != default:
-                        raise ValueError(
-                            f"{key} applies only to write=rls, so with write=outer it must stay "
-                            f"{format_value(default)}, got {key}={format_value(value)}"
-                        )
-            ldm_knobs.refuse_degenerate(self)
+            ldm_knobs.check(self, READS)
 
     def __init__(self, cfg: Config, *, d_model: int, n_layers: int):
         super().__init__(cfg, d_model=d_model, n_layers=n_layers)

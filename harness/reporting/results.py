@@ -23,12 +23,10 @@ from harness.config import PRESETS
 from harness.errors import UsageError
 from harness.io import atomic_write_bytes
 from harness.registry import format_value, parse_spec
+from harness.reporting.axes import _IGNORED_KEYS, _IGNORED_PREFIXES, _axis_columns, _flatten, tuned_keys  # noqa: F401
 
 FINISHED = "done"
 METRIC_COLUMNS = ("train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s")
-# Config keys that never change what a run computes, so they never split runs into different settings.
-_IGNORED_KEYS = ("name", "variant", "train.seed", "data.cache_dir", "eval.batch_size", "train.logger")
-_IGNORED_PREFIXES = ("slurm.",)
 
 
 @dataclass
@@ -179,69 +177,6 @@ def split_variant(spec: str, notes: list[str] | None = None) -> tuple[str, str, 
             notes.append(f"The variant {spec!r} is not in the variant registry; its name is shown as written.")
         canonical = f"{base}({','.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else base
     return canonical, base, knobs
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in d.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
-    return out
-
-
-# Column names of the tidy frame that an axis column must not take.
-_RESERVED = {
-    "run_id",
-    "run_dir",
-    "setting",
-    "variant",
-    "base",
-    "knobs",
-    "preset",
-    "seed",
-    "state",
-    "source",
-    "task",
-    "step",
-    "tokens",
-    "metric",
-    "value",
-    "stderr",
-    "train_tokens",
-    "train_steps",
-    "counted",
-    "message",
-}
-
-
-def _axis_columns(keys: list[str]) -> dict[str, str]:
-    """Column name per differing config key: its last part (``lr``), or the whole key where that is ambiguous."""
-    short = [k.rsplit(".", 1)[-1] for k in keys]
-    out = {}
-    for key, name in zip(keys, short):
-        if short.count(name) > 1 or name in _RESERVED or name.startswith("knob_"):
-            name = key.replace(".", "_")
-        if name in _RESERVED:  # train.tokens, which the budget columns already name
-            name = f"axis_{name}"
-        out[name] = key
-    return out
-
-
-def tuned_keys(root: Path) -> set[str]:
-    """The config keys a tuning stage chose per variant (``tuning.json`` of any sweep under ``root``): part of each
-    variant's protocol, not a setting the runs are compared across."""
-    keys = set()
-    for path in Path(root).rglob("tuning.json"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get("axis"), str):
-            keys.add(data["axis"])
-    return keys
 
 
 def _settings(runs: list[Run], tuned: set[str] = frozenset()) -> dict[str, str]:

@@ -17,6 +17,10 @@ from it would address the memory by token identity alone; the no-residual ablati
 
 from __future__ import annotations
 
+import math
+
+from variants.registry import format_value
+
 QK_SOURCES = ("residual", "read")
 
 # Knobs that only shape the memory, with the field defaults they must keep when nothing reads the memory.
@@ -80,3 +84,42 @@ def refuse_narrow_keys(mixer, d_model: int) -> None:
         f"a sign (a unit-normalised 1-d key is ±1), so the memory cannot tell its writes apart; use groups in "
         f"{', '.join(allowed)}, or key_dim ≥ {MIN_KEY_DIM}"
     )
+
+
+def check(cfg, reads: tuple[str, ...]) -> None:
+    """Every knob of an LDM config in its allowed values, and the combinations that make a model: a
+    ``ValueError`` of one sentence naming the allowed values otherwise (``reads``: the allowed ``read`` values)."""
+    if cfg.write not in ("outer", "rls"):
+        raise ValueError(f"write must be outer or rls, got {cfg.write!r}")
+    if cfg.read not in reads:
+        raise ValueError(f"read must be one of {', '.join(reads)}, got {cfg.read!r}")
+    for name in ("residual_write", "omega"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name} must be on or off, got {getattr(cfg, name)!r}")
+    if cfg.qk_source not in QK_SOURCES:
+        raise ValueError(f"qk_source must be one of {', '.join(QK_SOURCES)}, got {cfg.qk_source!r}")
+    if not isinstance(cfg.groups, int) or cfg.groups < 1:
+        raise ValueError(f"groups must be a positive integer dividing d_model, got {cfg.groups!r}")
+    if not isinstance(cfg.key_dim, int) or cfg.key_dim < 0:
+        raise ValueError(f"key_dim must be a positive integer, or 0 for d_model / groups, got {cfg.key_dim!r}")
+    if not isinstance(cfg.qk_hidden, int) or cfg.qk_hidden < 1:
+        raise ValueError(f"qk_hidden must be a positive integer, got {cfg.qk_hidden!r}")
+    lam = cfg.lambda_
+    if lam != "learned" and not (isinstance(lam, (int, float)) and not isinstance(lam, bool) and 0.0 < lam <= 1.0):
+        raise ValueError(f"lambda must be learned or a number in (0, 1], got {lam!r}")
+    for key, value in (("alpha", cfg.alpha), ("scalar_lr", cfg.scalar_lr)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{key} must be a number > 0, got {value!r}")
+    if cfg.write == "outer":
+        for key, value, default in (
+            ("lambda", lam, "learned"),
+            ("omega", cfg.omega, True),
+            ("alpha", cfg.alpha, 1.0),
+            ("scalar_lr", cfg.scalar_lr, 1.0),
+        ):
+            if value != default:
+                raise ValueError(
+                    f"{key} applies only to write=rls, so with write=outer it must stay "
+                    f"{format_value(default)}, got {key}={format_value(value)}"
+                )
+    refuse_degenerate(cfg)
