@@ -105,9 +105,10 @@ def _tensorboard(run_dir: Path, cfg: RunConfig, rows) -> None:
     atomic_write_text(folder / "hparams.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
-def wandb_dir(run_dir: Path) -> str | None:
-    """Where W&B writes: ``WANDB_DIR`` when set (W&B reads it itself), else the run folder."""
-    return None if os.environ.get("WANDB_DIR") else str(run_dir)
+def wandb_dir(run_dir: Path) -> str:
+    """Where W&B writes: ``WANDB_DIR`` when set, else the run folder. Named explicitly either way: W&B reads its
+    environment once per process, so a later run in the same process would not see a changed ``WANDB_DIR``."""
+    return os.environ.get("WANDB_DIR") or str(run_dir)
 
 
 def _wandb(run_dir: Path, cfg: RunConfig, rows) -> None:
