@@ -13,6 +13,7 @@ import pytest
 
 from harness.cli import main as cli_main
 from harness.data import corpus as D
+from harness.data import shards
 from harness.data import tokenizer as toklib
 from harness.errors import UsageError
 
@@ -107,7 +108,7 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(hub_folder, tmp
     root, docs, tok = hub_folder
     files = [str(root / "sample" / "10BT" / "*.parquet")]  # a glob: both files, sorted
     fresh = D.prepare(files, tmp_path / "fresh", tokenizer=str(tok), shard_tokens=400, progress=False)
-    real = D._documents
+    real = shards._documents
 
     def dies_after(n):
         count = [0]
@@ -122,13 +123,13 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(hub_folder, tmp
         return documents
 
     out = tmp_path / "resumed"
-    monkeypatch.setattr(D, "_documents", dies_after(90))  # dies in the second file, the first one's shards written
+    monkeypatch.setattr(shards, "_documents", dies_after(90))  # dies in the second file, the first one's shards written
     with pytest.raises(KeyboardInterrupt):
         D.prepare(files, out, tokenizer=str(tok), shard_tokens=400, progress=False)
     state = json.loads((out / D.STATE_FILE).read_text())
     assert not state["done"] and state["shards"] and not (out / "index.json").exists()
     kept = {s["file"]: (out / s["file"]).stat().st_mtime_ns for s in state["shards"]}
-    monkeypatch.setattr(D, "_documents", real)
+    monkeypatch.setattr(shards, "_documents", real)
     D.prepare(files, out, tokenizer=str(tok), shard_tokens=400, progress=False)
     assert {f: (out / f).stat().st_mtime_ns for f in kept} == kept  # finished shards were not rewritten
     assert _decoded(out) == _decoded(fresh) == docs

@@ -1,0 +1,223 @@
+"""Planning a sweep: expanding and validating its grid and deciding, run by run, what a submission would do.
+
+Nothing here submits a run, so a dry run (``depthmem sweep --dry-run``) and a submission share one plan.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness import preflight, tracking
+from harness.errors import DepthmemError, UsageError
+from harness.rundir import read_sweep_record
+from harness.sweeps.grid import Grid, GridRun, axis_keys, check_tune, expand, load_grid
+from harness.sweeps.job import pending_tasks
+from harness.sweeps.jobstate import default_root, run_rows
+from harness.sweeps.profiles import EXECUTORS, Profile, load_profile
+
+
+@dataclass
+class Plan:
+    """What a submission would do: the grid, its runs, resources, and a decision per run."""
+
+    grid: Grid
+    runs: list[GridRun]
+    profile: Profile
+    executor: str
+    sweep_dir: Path
+    parallelism: int
+    decisions: dict[str, str] = field(default_factory=dict)
+    """run_id -> ``submit``, ``resume``, ``evaluate``, ``done``, ``queued``, ``failed`` (skipped), ``retry`` or
+    ``waiting`` (for its cell's tuning runs)."""
+    warnings: list[str] = field(default_factory=list)
+    axes: list[str] = field(default_factory=list)
+    backfill: list[str] = field(default_factory=list)
+    """Finished runs whose ``train.logger`` has not seen their metrics; the submission sends them from metrics.csv."""
+    tuning: Plan | None = None
+    """The tuning stage of a grid with ``tune``: its runs live in ``<sweep>/tune/``."""
+    selection: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The tuning stage's entry per cell, as ``tuning.json`` holds it."""
+
+    @property
+    def waiting(self) -> list[GridRun]:
+        """Runs that wait for their cell's tuning to end: their learning rate, and so their id, is not known yet."""
+        return [r for r in self.runs if self.decisions.get(r.run_id) == "waiting"]
+
+    def to_submit(self) -> list[GridRun]:
+        return [r for r in self.runs if self.decisions.get(r.run_id) in ("submit", "resume", "retry", "evaluate")]
+
+
+def _check_corpus(runs: list[GridRun]) -> list[str]:
+    missing = sorted(
+        {r.cfg.data.corpus for r in runs if r.cfg.data.corpus != "shakespeare" and not Path(r.cfg.data.corpus).exists()}
+    )
+    return [f"the corpus {c} does not exist yet: build it with `depthmem prepare` before submitting." for c in missing]
+
+
+def _slurm_partitions() -> list[str]:
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise DepthmemError(f"No SLURM controller answers: sinfo failed ({e}).") from None
+    if out.returncode != 0:
+        first = (out.stderr.strip() or out.stdout.strip() or "no output").splitlines()[0]
+        raise DepthmemError(
+            f"No SLURM controller answers (sinfo: {first}); start it, or run here with --executor local."
+        )
+    return [p.strip().rstrip("*") for p in out.stdout.split() if p.strip()]
+
+
+def check_executor(executor: str, profile: Profile) -> None:
+    """Fail before submitting when the executor cannot run here or the profile names an unknown partition."""
+    if executor not in EXECUTORS:
+        raise UsageError(f"Unknown executor {executor!r}; allowed: {', '.join(EXECUTORS)}.")
+    if executor != "slurm":
+        return
+    if shutil.which("sbatch") is None:
+        raise UsageError(
+            "--executor slurm needs sbatch on PATH and there is none here; use --executor local to run on this machine."
+        )
+    if profile.partition:
+        partitions = _slurm_partitions()
+        if profile.partition not in partitions:
+            raise UsageError(
+                f"Unknown partition {profile.partition!r} in the profile {profile.name!r}; "
+                f"this cluster has {', '.join(partitions) or 'no partitions'}."
+            )
+
+
+def plan(
+    grid_file: str | Path,
+    *,
+    executor: str | None = None,
+    profile: str | None = None,
+    root: str | Path | None = None,
+    retry_failed: bool = False,
+    parallelism: int | None = None,
+    overrides: list[str] | None = None,
+) -> Plan:
+    """Expand and validate a grid and decide, run by run, what a submission would do (submits nothing).
+
+    ``overrides`` (``["train.max_steps=200"]``) change the grid's base. Reading the runs' states records, as
+    failed or cancelled, runs whose jobs were stopped from outside.
+    """
+    if executor is not None and executor not in EXECUTORS:
+        raise UsageError(f"Unknown executor {executor!r}; allowed: {', '.join(EXECUTORS)}.")
+    grid = load_grid(grid_file)
+    if overrides:
+        apply_overrides(grid, overrides)
+        check_tune(grid)
+    prof = load_profile(profile or grid.profile)
+    runs = expand(grid, defaults=prof.config_layer())
+    sweep_dir = Path(root or default_root()) / grid.name
+    executor = executor or prof.executor
+    parallelism = parallelism or grid.parallelism or prof.array_parallelism
+    tuning_plan, waiting, entries = None, [], {}
+    ready = runs
+    if grid.tune is not None:
+        from harness.sweeps import tuning
+
+        cell_list = tuning.cells(grid, runs)
+        by_cell = tuning.expand_tuning(grid, cell_list, defaults=prof.config_layer())
+        tune_runs = [r for rs in by_cell.values() for r in rs]
+        tuning_plan = Plan(
+            grid,
+            tune_runs,
+            prof,
+            executor,
+            sweep_dir / tuning.TUNE_DIR,
+            parallelism=parallelism,
+            axes=[*axis_keys(grid), grid.tune.axis, "data.eval_split"],
+        )
+        _decide(tuning_plan, retry_failed)
+        entries = tuning.selection(grid, cell_list, by_cell, tuning_plan.sweep_dir)
+        ready, waiting = tuning.apply(grid, runs, cell_list, entries)
+    p = Plan(grid, ready, prof, executor, sweep_dir, parallelism=parallelism, axes=axis_keys(grid))
+    p.tuning, p.selection = tuning_plan, entries
+    p.warnings = _check_corpus(p.runs) + preflight.for_executor([r.cfg for r in p.runs], p.executor)
+    _decide(p, retry_failed, [r for r in ready if not any(r is w for w in waiting)])
+    p.decisions.update({r.run_id: "waiting" for r in waiting})
+    return p
+
+
+def _decide(p: Plan, retry_failed: bool, runs: list[GridRun] | None = None) -> None:
+    """Each run's decision (of ``runs``, default all of the plan's) from its state on disk and its job's."""
+    sweep_dir, runs = p.sweep_dir, p.runs if runs is None else runs
+    states = {row["run_id"]: row for row in run_rows(sweep_dir, read_sweep_record(sweep_dir))}
+    for r in runs:
+        run_dir = sweep_dir / r.run_id
+        row = states.get(r.run_id, {})
+        state = row.get("state", "pending")
+        if row.get("job_active"):
+            p.decisions[r.run_id] = "queued"
+        elif state == "done":
+            todo = pending_tasks(run_dir, list(r.cfg.eval.tasks), r.cfg.eval.limit) if r.cfg.eval.tasks else []
+            p.decisions[r.run_id] = "evaluate" if todo else "done"
+            if tracking.needs_backfill(run_dir, r.cfg):
+                p.backfill.append(r.run_id)
+        elif state in ("failed", "diverged"):
+            p.decisions[r.run_id] = "retry" if retry_failed else "failed"
+        elif (run_dir / "ckpt" / "last.ckpt").exists():
+            p.decisions[r.run_id] = "resume"
+        else:
+            p.decisions[r.run_id] = "submit"
+
+
+def split_choices(text: str) -> list[str]:
+    """The parts of ``text`` between commas outside brackets and quotes: ``1e-3,3e-3`` has two, ``[a,b]`` one."""
+    parts, depth, quote, current = [], 0, "", ""
+    for c in text:
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{(":
+            depth += 1
+        elif c in "]})":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        current += c
+    return parts + [current]
+
+
+def apply_overrides(grid: Grid, overrides: list[str]) -> None:
+    """Apply command-line ``KEY=VALUE`` overrides to a grid, Hydra multirun style.
+
+    ``KEY=VALUE`` sets KEY in the base, except on a key the grid varies, whose axis it narrows to that one value;
+    ``KEY=V1,V2`` makes KEY an axis over the values (a new axis goes last; a grid's own keeps its place). A value
+    holding a list is written in brackets, ``eval.tasks=[a,b]``, and one comma-separated string in quotes.
+    """
+    import yaml
+
+    from harness.yamltext import load
+
+    zipped = {k for g in grid.zips for k in g}
+    for item in overrides:
+        key, _, text = item.partition("=")
+        key = key.strip()
+        choices = split_choices(text)
+        try:
+            values = [load(part) if part.strip() else "" for part in choices]
+        except yaml.YAMLError:
+            raise UsageError(
+                f"The value of {item!r} is not valid YAML: put brackets around a list and quotes around text "
+                "with commas or colons."
+            ) from None
+        if key in zipped:
+            raise UsageError(
+                f"{key} varies in a zip group of {grid.source}; change its values there, or drop it from the group "
+                f"to sweep it with {item!r}."
+            )
+        if len(values) > 1 or key in grid.axes:
+            if len(values) != len({repr(v) for v in values}):
+                raise UsageError(f"{item!r} names a value twice; each value of an axis gives one run.")
+            grid.axes[key] = values
+        else:
+            grid.base = {**grid.base, key: values[0]}
