@@ -309,12 +309,14 @@ def shards(tmp_path, trained_run, capsys):
     return out
 
 
+@pytest.mark.slow
 def test_missing_shard(capsys, tmp_path, shards):
     (shards / "shard_00000.bin").unlink()
     line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run"), "--set", f"data.corpus={shards}"])
     assert "shard_00000.bin" in line and "missing" in line and "prepare" in line
 
 
+@pytest.mark.slow
 def test_missing_or_broken_shard_index(capsys, tmp_path, shards):
     (shards / "index.json").write_text('{"format": "depthmem-shards/1", "shards": [')
     line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(tmp_path / "run"), "--set", f"data.corpus={shards}"])
@@ -324,6 +326,7 @@ def test_missing_or_broken_shard_index(capsys, tmp_path, shards):
     assert "no index.json" in line and "depthmem prepare" in line
 
 
+@pytest.mark.slow
 def test_missing_tokenizer_file(capsys, tmp_path, shards):
     line = fails(
         capsys,
@@ -377,6 +380,7 @@ def _damage(ckpt: Path, how: str) -> None:
         ckpt.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "corrupt"])
 def test_damaged_checkpoint_in_eval_and_resume(capsys, tmp_path, trained_run, how):
     run = _copy(trained_run, tmp_path / "run")

@@ -146,6 +146,7 @@ def _mixer_matmul_flops_per_token(mixer, b: int = 2, t: int = 3) -> float:
     return counter.get_total_flops() / (b * t)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["dual", "recurrent"])
 @pytest.mark.parametrize("spec", LDM_COST_SPECS)
 def test_ldm_matmul_count_matches_torch_flop_counter(spec, impl, rng_seed):
@@ -158,6 +159,7 @@ def test_ldm_matmul_count_matches_torch_flop_counter(spec, impl, rng_seed):
     assert other > 0 and mixer.extra_flops_per_token() == mm + other
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 2, 3])
 @pytest.mark.parametrize("spec", LDM_COST_SPECS)
 def test_chunked_read_matmul_count_matches_torch_flop_counter(spec, chunk, rng_seed):

@@ -203,6 +203,7 @@ def test_lm_eval_arguments_pass_through_with_the_offline_folder():
     assert lm_eval_argv(["--help"]) == ["--help"]
 
 
+@pytest.mark.slow
 def test_pretrained_is_an_alias_of_checkpoint_and_the_device_used_is_recorded(tmp_path, rng_seed, monkeypatch):
     from harness.commands.lm_eval import lm_eval_argv
     from harness.errors import UsageError

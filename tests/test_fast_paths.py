@@ -47,6 +47,7 @@ def test_dot_rms_scale_and_unit_equal_their_formulas(shape, rng_seed):
     assert torch.autograd.gradcheck(lambda x: rms_scale(x, 0.1), (a[..., :5].clone().requires_grad_(),))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, m", [((3, 5, 16), 6), ((2, 4, 7, 16), 24), ((1, 257), 1)])
 def test_normalized_projection_equals_its_formula(shape, m, rng_seed):
     x, w = torch.randn(*shape, **F64), torch.randn(shape[-1], m, **F64)

@@ -28,7 +28,10 @@ from variants.kernels.whiten import whiten  # noqa: E402
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or kernels.interpreting()), reason="no GPU and TRITON_INTERPRET is not set"
 )
-TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+# float32: a softmax over logits of tens (Gaussian queries against width-100 values up to five times their scale)
+# amplifies rounding by the logits' size, so its bound is looser than the sums' would need; a wrong kernel is off
+# by O(1).
+TOL = {torch.float32: 1e-4, torch.float64: 1e-12}
 
 
 def _float64_grads(fn, inputs, g):

@@ -242,6 +242,7 @@ MIXING_SPECS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", MIXING_SPECS)
 def test_mixing_matrix_reproduces_layer_inputs(spec, rng_seed):
     model = _model(spec)
@@ -402,6 +403,7 @@ WEIGHT_SPECS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", WEIGHT_SPECS)
 def test_mixing_weights_equal_the_definitions(spec, rng_seed):
     model = _model(spec)

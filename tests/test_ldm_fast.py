@@ -78,6 +78,7 @@ def test_dual_equals_recurrent_values_and_gradients(spec, chunk, rng_seed):
         torch.testing.assert_close(p.grad, expected, rtol=1e-8, atol=1e-12, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 3], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("spec", ["ldm(groups=4)", "ldm-rls(groups=4)", "ldm-rls(read=memory,groups=2,alpha=0.5)"])
 def test_dual_state_holds_the_recurrent_memory_after_every_layer(spec, chunk, rng_seed):
@@ -161,6 +162,7 @@ def test_dual_keeps_no_per_layer_memory_for_backward(spec, rng_seed):
     assert largest_saved(recurrent.mixer) >= e.numel() * dual.mixer.dk  # the check can fail
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls", "ldm-rls(read=memory,groups=4)"])
 def test_float32_dual_is_close_to_float64_reference(spec, rng_seed):
     dual, recurrent = _pair(spec, n_blocks=4)

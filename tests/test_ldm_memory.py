@@ -123,6 +123,7 @@ def _tracked(monkeypatch, cls):
     return made
 
 
+@pytest.mark.slow
 def test_carried_memory_is_let_go_after_the_head_and_rebuilt_for_backward(monkeypatch, rng_seed):
     """Nothing reads the carried memory after the head's read, so the forward pass ends without it; backward
     rebuilds it from the folded writes, bit for bit the memory the forward pass read."""
@@ -144,6 +145,7 @@ def test_carried_memory_is_let_go_after_the_head_and_rebuilt_for_backward(monkey
         assert torch.equal(g, w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 2])
 def test_a_backward_that_drops_the_graph_lets_go_of_what_only_a_second_one_needs(chunk, monkeypatch, rng_seed):
     """The graph's nodes live until the step ends, and with them what they hold outside their saved tensors: each
@@ -164,6 +166,7 @@ def test_a_backward_that_drops_the_graph_lets_go_of_what_only_a_second_one_needs
     assert all(p.x is None for p in passes) and all(c is None for m in memories for c in m.chunks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 2])
 def test_the_whitening_keeps_no_coefficients_and_no_gram_product(chunk, rng_seed):
     """Per write the whitening keeps the whitened key and value (every later read needs them) and its δ: not the

@@ -76,6 +76,7 @@ def test_tokenization_boundaries_follow_hflm(model, tokenizer):
     assert got[2][0] == pytest.approx(score(model, [tokenizer.eot_id], [995])[0], abs=1e-10)
 
 
+@pytest.mark.slow
 def test_loglikelihood_equals_brute_force(model, tokenizer, corpus, rng):
     """Summed log-probs and greedy flags equal direct forward passes, with and without left truncation."""
     lm = DepthmemLM(model=model, tokenizer=tokenizer, batch_size=3, device="cpu")

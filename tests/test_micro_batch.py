@@ -21,6 +21,7 @@ def test_fit_leaves_headroom_and_the_gradient_buckets_aside():
     assert MB.fit(39 * GIB, 0.5 * GIB, 2**28, 40) == 0
 
 
+@pytest.mark.slow
 def test_step_memory_holds_weights_adam_state_and_grows_by_each_sequence(rng_seed):
     """Before anything runs a step holds weights and two AdamW moments (12 bytes a float32 parameter); each more
     sequence adds at least its float32 logits and their gradient."""

@@ -351,6 +351,7 @@ def test_damaged_sweep_record_lists_runs_from_their_folders(capsys, tmp_path, fi
     assert {e["run_id"] for e in json.loads((results / "pair" / "sweep.json").read_text())["runs"]} == set(run_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [20_000, 60_000, "half"])
 def test_truncated_checkpoint_in_eval_and_resume(capsys, tmp_path, trained_run, keep):
     run = tmp_path / "run"

@@ -73,6 +73,7 @@ def test_bpe_training_is_deterministic_and_sized(rng_seed):
         toklib.train_bpe(texts, 100)
 
 
+@pytest.mark.slow
 def test_get_tokenizer_caches_and_checks_vocab(tmp_path, monkeypatch):
     monkeypatch.setenv("DEPTHMEM_CACHE", str(tmp_path))
     cfg = build_config({"model": {"preset": "tiny", "vocab_size": 300}})

@@ -164,6 +164,7 @@ def test_a_grid_without_tune_plans_as_before(tmp_path):
     assert p.tuning is None and not p.waiting and len(p.runs) == 1
 
 
+@pytest.mark.slow
 def test_paper_dry_run_shows_the_tuning_stage_and_its_cost(capsys):
     assert main(["sweep", str(ROOT / "experiments" / "paper.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -112,6 +112,7 @@ def _ldm_grid() -> list[str]:
     return specs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", _ldm_grid())
 def test_ldm_knob_grid_builds_and_runs(spec, rng_seed):
     model = _model(spec)
@@ -249,6 +250,7 @@ def test_canonical_names_write_out_a_default_that_follows_another_knob():
     assert registry.describe()[0]["knobs"][1]["default"] == "b"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "small", "gpt2-small"])
 @pytest.mark.parametrize("target", ["ldm-rls", "ldm-rls(groups=32,omega=off)", "mhc", "attnres", "denseformer"])
 def test_parameter_matched_preln_is_within_half_a_percent(preset, target):
