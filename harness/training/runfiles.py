@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from harness.io import (
 from harness.measure import AllocatorPeak, CoreLoad, live_training_bytes
 from harness.model.diagnostics import layer_stats, traced_forward
 from harness.training.budget import seq_len_of
+from harness.units import duration  # noqa: F401  (progress lines, and importable from here as before)
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
@@ -87,16 +87,6 @@ def _read_jsonl(path: Path, up_to_step: int) -> list[dict]:
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= up_to_step:
             records.append(rec)
     return records
-
-
-def duration(seconds: float | None) -> str:
-    """``1:02:03`` or ``2:03``; ``?`` when unknown."""
-    if seconds is None or not math.isfinite(seconds):
-        return "?"
-    seconds = int(round(seconds))
-    h, rest = divmod(seconds, 3600)
-    m, sec = divmod(rest, 60)
-    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
 def progress_line(
