@@ -75,12 +75,12 @@ def backfill(run_dir: str | os.PathLike, cfg: RunConfig) -> int:
     return len(rows)
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def hparams_flat(d: dict, prefix: str = "") -> dict:
     """``{"train": {"lr": 1e-3}}`` as ``{"train/lr": 1e-3}``; lists and None as text, which HParams takes."""
     out = {}
     for key, value in d.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}/"))
+            out.update(hparams_flat(value, f"{prefix}{key}/"))
         else:
             out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
     return out
@@ -95,7 +95,7 @@ def _tensorboard(run_dir: Path, cfg: RunConfig, rows) -> None:
     writer = SummaryWriter(log_dir=str(folder))
     try:
         # The HParams view pairs the config with the val_loss curve, as for a run that trained with the logger.
-        for summary in hparams(_flatten(cfg.to_dict()), {"val_loss": 0.0}):
+        for summary in hparams(hparams_flat(cfg.to_dict()), {"val_loss": 0.0}):
             writer.file_writer.add_summary(summary)
         for step, values in rows:
             for key, value in values.items():

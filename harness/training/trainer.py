@@ -190,19 +190,8 @@ def _tensorboard_hparams(logger, cfg: RunConfig) -> None:
     from torch.utils.tensorboard.summary import hparams
 
     writer = logger.experiment._get_file_writer()
-    for summary in hparams(_flatten(cfg.to_dict()), {"val_loss": 0.0}):
+    for summary in hparams(tracking.hparams_flat(cfg.to_dict()), {"val_loss": 0.0}):
         writer.add_summary(summary)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    """``{"train": {"lr": 1e-3}}`` as ``{"train/lr": 1e-3}``; lists and None as text, which HParams takes."""
-    out = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}/"))
-        else:
-            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return out
 
 
 def _finish_tracking(cfg: RunConfig, rank0: bool, *, failed: bool) -> None:
