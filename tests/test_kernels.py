@@ -90,7 +90,10 @@ def test_whiten_equals_float64_floor_included(rng_seed, dtype, rows, writes, key
     # Earlier writes of unit scale on odd rows: their projections exceed |k|² + d, so the floor holds there; small
     # ones on even rows, where it does not.
     scale = torch.where(torch.arange(rows) % 2 == 1, 1.5, 0.2).to(dtype)[:, None, None]
-    keys = (torch.randn(rows, writes, key, dtype=dtype) * scale).requires_grad_()
+    keys = torch.randn(rows, writes, key, dtype=dtype) * scale
+    if writes:  # an odd row's first earlier write is 3k: l² = 9 > |k|² + d, so the floor holds there whatever the draw
+        keys[1::2, 0] = 3 * k.detach()[1::2]
+    keys.requires_grad_()
     values = torch.randn(rows, writes, value, dtype=dtype, requires_grad=True)
     inputs = (k, v, ridge, keys, values)
     with kernels.mode("on"):
