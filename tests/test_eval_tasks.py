@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -110,6 +112,13 @@ def test_evaluate_end_to_end_and_lm_eval_command_line_agree(tmp_path, rng_seed):
         (t, m): v for t in ("offline_arc_easy", "offline_copa") for m, v in metric_values(results, t).items()
     }
     assert set(table) == {("offline_arc_easy", "acc"), ("offline_arc_easy", "acc_norm"), ("offline_copa", "acc")}
+    # Each item's score, kept for paired comparisons: lm-eval's aggregate is their mean, over the items asked for.
+    items = pd.read_csv(run / "eval" / "items.csv.gz")
+    assert list(items.columns) == ["task", "doc_id", "metric", "value"]
+    per_item = items.groupby(["task", "metric"])["value"]
+    assert per_item.mean().to_dict() == pytest.approx(table, abs=1e-12)
+    assert set(per_item.count()) == {5} and set(items["value"]) <= {0.0, 1.0}
+    assert "samples" not in on_disk  # the logged documents go to the items file only, not into the JSON
 
     out = tmp_path / "cli"
     cmd = [
@@ -137,11 +146,23 @@ def test_evaluate_end_to_end_and_lm_eval_command_line_agree(tmp_path, rng_seed):
         assert metric_values(cli, task) == pytest.approx(metric_values(results, task), abs=1e-12)
 
 
-def test_table_keeps_other_tasks_and_replaces_re_evaluated_ones(tmp_path):
+def test_table_keeps_other_tasks_and_replaces_re_evaluated_ones(tmp_path, rng_seed):
     from harness.evaluation.evaluator import write_results
 
+    rng = np.random.default_rng(rng_seed)
+    scores = {}
+
     def fake(task, acc):
-        return {"results": {task: {"alias": task, "acc,none": acc, "acc_stderr,none": "N/A"}}}
+        scores[task] = rng.integers(0, 2, size=7).astype(float)
+        samples = [
+            # What lm-eval logs per item: the metrics' names, their values, and much besides that is not kept.
+            {"doc_id": i, "filter": "none", "metrics": ["acc"], "acc": v, "resps": [[["-1.5", False]]]}
+            for i, v in enumerate(scores[task])
+        ]
+        return {
+            "results": {task: {"alias": task, "acc,none": acc, "acc_stderr,none": "N/A"}},
+            "samples": {task: samples},
+        }
 
     write_results(fake("offline_copa", 0.5), tmp_path)
     write_results(fake("offline_piqa", 0.6), tmp_path)
@@ -152,6 +173,10 @@ def test_table_keeps_other_tasks_and_replaces_re_evaluated_ones(tmp_path):
         {"task": "offline_copa", "metric": "acc", "value": "0.7", "stderr": ""},
         {"task": "offline_piqa", "metric": "acc", "value": "0.6", "stderr": ""},
     ]
+    items = pd.read_csv(tmp_path / "items.csv.gz")
+    assert list(items["task"]) == ["offline_copa"] * 7 + ["offline_piqa"] * 7
+    for task in ("offline_copa", "offline_piqa"):
+        assert list(items[items["task"] == task]["value"]) == list(scores[task])  # copa's from the third call
 
 
 def test_unknown_task_is_a_usage_error_listing_known_ones(tmp_path, capsys, rng_seed):

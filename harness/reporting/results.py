@@ -1,7 +1,8 @@
 """Read a sweep's run directories into one tidy table, without retraining anything.
 
 A sweep is a folder (``results/<sweep>/``) whose run directories are found recursively as folders holding a
-``config.json``. ``load_sweep`` reads every run once (config, status, summary, metrics, layers, mixing, eval)
+``config.json``. ``load_sweep`` reads every run once (config, status, summary, metrics, layers, mixing, eval and
+its per-item scores)
 and tolerates runs that are still being written: a file that is missing or cannot be parsed is skipped with a
 note, never an error. ``aggregate`` turns the runs into one tidy frame, one row per run × step × metric, with
 the canonical variant name split into its base variant and knobs; tables and figures consume that frame and
@@ -48,6 +49,8 @@ class Run:
     layers: pd.DataFrame | None = None
     mixing: dict[str, Any] | None = None
     eval: pd.DataFrame | None = None
+    items: pd.DataFrame | None = None
+    """Each item's score (``eval/items.csv.gz``: task, doc_id, metric, value), for differences paired on items."""
     setting: str = ""
     knob_values: dict[str, str] = field(default_factory=dict)
     """Every knob of the run's base variant: its own value, else the registry default."""
@@ -261,6 +264,7 @@ def load_sweep(root: str | Path) -> Sweep:
                 ),
                 mixing=mixing if isinstance(mixing, dict) else None,
                 eval=_read_csv(d / "eval" / "table.csv", notes, root, ("value", "stderr")),
+                items=_read_csv(d / "eval" / "items.csv.gz", notes, root, ("doc_id", "value")),
             )
         )
     axis_keys = _settings(runs, tuned_keys(root))

@@ -49,7 +49,6 @@ from harness.reporting.tables.common import (
 )
 from harness.reporting.tables.comparisons import (
     CHANCE,
-    ablation_table,
     chance_level,
     choose_metric,
     downstream_scores,
@@ -57,6 +56,8 @@ from harness.reporting.tables.comparisons import (
     main_table,
     score_interval,
 )
+from harness.reporting.tables.paired_items import downstream_paired_table
+from harness.reporting.tables.ablations import ablation_table
 from harness.reporting.tables.accounting import (
     BENCH_COLUMNS,
     COST_FIELDS,
@@ -103,6 +104,7 @@ __all__ = [
     "choose_metric",
     "downstream_scores",
     "downstream_table",
+    "downstream_paired_table",
     "main_table",
     "score_interval",
     "BENCH_COLUMNS",

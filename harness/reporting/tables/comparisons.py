@@ -1,5 +1,6 @@
-"""Variants compared: validation loss (``main``), downstream accuracy (``downstream``) and the LDM ablations
-(``ablations``), each difference to the reference paired over shared seeds where it can be.
+"""Variants compared: validation loss (``main``) and downstream accuracy (``downstream``), each difference to the
+reference paired over shared seeds where it can be; the LDM ablations (``harness.reporting.tables.ablations``) use
+the same rows.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from harness.reporting.render import SIGNIFICANCE, Table, fmt_ci, fmt_count, fmt
 from harness.reporting.results import Run, Sweep, knobs_text, split_variant
 from harness.reporting.stats import compare, holm, mean_ci, score_ci
 from harness.reporting.tables.common import (
-    LDM_BASES,
     budget_text,
     failures,
     failures_text,
@@ -347,25 +347,3 @@ def downstream_table(ctx: Context) -> Table:
     if skipped:
         notes.append(f"Tasks without acc or acc_norm, not shown: {', '.join(skipped)}.")
     return Table("downstream", "Downstream accuracy", data, display, notes)
-
-
-@table("ablations", needs="runs of `ldm` or `ldm-rls`")
-def ablation_table(ctx: Context) -> Table:
-    """One row per knob setting of the variants whose base is `ldm` or `ldm-rls`, against the report's
-    `ablation_reference` (default `ldm-rls`): mean ± t-interval, Δ with its paired interval and number of pairs,
-    its p-value Holm-adjusted over the table, and the runs that diverged or failed."""
-    sweep, reference = ctx.sweep, split_variant(ctx.ablation_reference)[0]
-    runs = [r for r in sweep.runs if r.base in LDM_BASES]
-    if not runs:
-        raise NoData("no run of ldm or ldm-rls")
-    if all(r.variant == reference for r in runs):
-        raise NoData(f"no ablation of {reference}: every ldm or ldm-rls run is the reference itself")
-    groups = group_runs(runs)
-    data, display, used = _comparison_rows(groups, ordered_keys(groups, reference), reference, with_ppl=False)
-    notes = [
-        f"Variants whose base is {' or '.join(LDM_BASES)}, against {reference}.",
-        *_comparison_notes(used, reference, display, data),
-    ]
-    data, display = with_axes(data, display, sweep)
-    notes += one_seed_note(data)
-    return Table("ablations", f"LDM ablations against {reference}", data, display, notes)
