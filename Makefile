@@ -35,11 +35,13 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not slurm"
 
-# The reference study of docs/report.md: three small grids into one folder, then one report drawing every figure.
+# The reference study of docs/report.md: three small grids into one folder, packed into the one archive that is
+# committed (results/reference/study-runs.tar.xz), then one report drawing every figure from that archive.
 reference: setup
 	for grid in reference reference-depth reference-scaling; do \
 	  $(BIN)/depthmem sweep experiments/$$grid.yaml --results results/reference/study-runs || exit 1; \
 	done
+	$(BIN)/depthmem pack results/reference/study-runs --out results/reference/study-runs.tar.xz
 	$(BIN)/depthmem report experiments/reference.yaml --out results/reference/study
 
 # The reference study under the protocol (tuned learning rates, five seeds, matched PreLN, the qk_source controls):

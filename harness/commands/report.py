@@ -1,4 +1,5 @@
-"""``depthmem report SWEEP``: the tables, figures and REPORT.md of a sweep, from its run directories alone."""
+"""``depthmem report SWEEP``: the tables, figures and REPORT.md of a sweep, from its run directories alone (a folder, or
+the archive ``depthmem pack`` wrote)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ def add_parser(sub):
         help="write a sweep's tables, figures and REPORT.md from its results",
         description="Turn a sweep's run directories into Markdown/LaTeX tables, seaborn figures and "
         "REPORT.md, deterministically and without retraining. SWEEP is a sweep name "
-        "under results/, a sweep folder, or a grid file whose report: section says what "
-        "to produce.",
+        "under results/, a sweep folder, a sweep archive from `depthmem pack` (with --out), or a grid file "
+        "whose report: section says what to produce.",
     )
-    p.add_argument("sweep", metavar="SWEEP", help="sweep name under results/, a sweep folder, or a grid .yaml file")
-    p.add_argument("--out", metavar="DIR", help="where to write the report (default: the sweep folder)")
+    p.add_argument(
+        "sweep", metavar="SWEEP", help="sweep name under results/, a sweep folder, a .tar.xz archive, or a grid .yaml"
+    )
+    p.add_argument(
+        "--out", metavar="DIR", help="where to write the report (default: the sweep folder; needed for an archive)"
+    )
     p.add_argument("--bench", metavar="CSV", help="benchmark CSV from `depthmem bench` (default: SWEEP/bench.csv)")
     p.add_argument(
         "--results",
@@ -32,13 +37,13 @@ def run(args) -> int:
     from dataclasses import asdict
 
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
-    from harness.reporting.report import report, resolve_target
+    from harness.reporting.report import report, report_folder, resolve_target
 
     sweep_dir, spec = resolve_target(args.sweep, args.results_dir)
     if args.dry_run:
         plan = {
             "sweep_dir": str(sweep_dir),
-            "out_dir": args.out or str(sweep_dir),
+            "out_dir": str(report_folder(sweep_dir, args.out)),
             "bench": args.bench,
             "spec": asdict(spec),
         }

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from harness.reporting.archive import FolderSource, open_source
+
 # Config keys that never change what a run computes, so they never split runs into different settings.
 _IGNORED_KEYS = ("name", "variant", "train.seed", "data.cache_dir", "eval.batch_size", "train.logger")
 _IGNORED_PREFIXES = ("slurm.",)
@@ -65,13 +67,14 @@ def _axis_columns(keys: list[str]) -> dict[str, str]:
     return out
 
 
-def tuned_keys(root: Path) -> set[str]:
-    """The config keys a tuning stage chose per variant (``tuning.json`` of any sweep under ``root``): part of each
-    variant's protocol, not a setting the runs are compared across."""
+def tuned_keys(root: str | Path | FolderSource) -> set[str]:
+    """The config keys a tuning stage chose per variant (``tuning.json`` of any sweep under ``root``, a sweep folder,
+    archive or its source): part of each variant's protocol, not a setting the runs are compared across."""
+    source = root if isinstance(root, FolderSource) else open_source(root)
     keys = set()
-    for path in Path(root).rglob("tuning.json"):
+    for rel in source.find("tuning.json"):
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(source.read_bytes(rel))
         except (OSError, ValueError):
             continue
         if isinstance(data, dict) and isinstance(data.get("axis"), str):

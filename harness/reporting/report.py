@@ -1,10 +1,11 @@
 """``REPORT.md`` for a sweep: every table inline, every figure linked, from the run directories alone.
 
-``report(sweep_dir)`` reads the sweep (``harness.reporting.results``), writes the tidy table (Parquet and CSV), the
-tables (Markdown, LaTeX, CSV) under ``tables/``, the figures (PNG, PDF) under ``figures/`` and ``REPORT.md``
-with relative links, so it reads on any Git host. Nothing is retrained and nothing is timestamped: the same
-results give the same files. What to produce comes from a ``ReportSpec``, usually the ``report:`` section of a
-grid file; a missing section means everything. Failed, diverged and unfinished runs are listed, never averaged.
+``report(sweep_dir)`` reads the sweep (``harness.reporting.results``): a folder, or an archive ``depthmem pack``
+wrote. It writes the tidy table (Parquet and CSV), the tables (Markdown, LaTeX, CSV) under ``tables/``, the figures
+(PNG, PDF) under ``figures/`` and ``REPORT.md`` with relative links, so it reads on any Git host. Nothing is
+retrained and nothing is timestamped: the same results give the same files. What to produce comes from a
+``ReportSpec``, usually the ``report:`` section of a grid file; a missing section means everything. Failed,
+diverged and unfinished runs are listed, never averaged.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from harness.reporting import figures as figs
 from harness.reporting import items as report_items
 from harness.reporting import tables as tabs
 from harness.reporting import tuning as tuning_report
+from harness.reporting.archive import ARCHIVE_SUFFIXES, archive_stem, is_archive
 from harness.reporting.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
 
 TABLES = report_items.names("table")
@@ -103,8 +105,13 @@ def report_spec(section: dict[str, Any] | ReportSpec | None, source: str = "the 
     )
 
 
+def _is_sweep(path: Path) -> bool:
+    return path.is_dir() or (path.is_file() and is_archive(path))
+
+
 def resolve_target(target: str | Path, root: str | Path | None = None) -> tuple[Path, ReportSpec]:
-    """The sweep folder and report spec named by a sweep name under the results root, a folder, or a grid file."""
+    """The sweep (a folder or an archive) and report spec named by a sweep name under the results root, a folder, a
+    sweep archive, or a grid file."""
     base_dir = Path(root) if root is not None else results_root()
     path = Path(target)
     if path.is_file() and path.suffix in (".yaml", ".yml"):
@@ -114,28 +121,46 @@ def resolve_target(target: str | Path, root: str | Path | None = None) -> tuple[
         spec = report_spec(grid.get("report"), str(path))
         base = grid.get("base") if isinstance(grid.get("base"), dict) else {}
         name = spec.sweep or grid.get("name") or base.get("name") or path.stem
-        folder = Path(spec.sweep) if spec.sweep and Path(spec.sweep).is_dir() else base_dir / str(name)
-        if not folder.is_dir():
+        folder = Path(spec.sweep) if spec.sweep and _is_sweep(Path(spec.sweep)) else base_dir / str(name)
+        if not _is_sweep(folder):
             raise UsageError(
                 f"The grid file {path} names the sweep {name!r}, but {folder} does not exist: "
-                "run the sweep first, or set report.sweep to its folder."
+                "run the sweep first, or set report.sweep to its folder or archive."
             )
         return folder, spec
-    if path.is_dir():
+    if _is_sweep(path):
         return path, ReportSpec()
-    if (base_dir / str(target)).is_dir():
+    if _is_sweep(base_dir / str(target)):
         return base_dir / str(target), ReportSpec()
+    if path.is_file():
+        raise UsageError(
+            f"{str(target)!r} is neither a sweep archive ({', '.join(ARCHIVE_SUFFIXES)}) nor a grid file (.yaml): "
+            "give a sweep folder, an archive `depthmem pack` wrote, or a grid file."
+        )
     known = sorted(p.name for p in base_dir.iterdir() if p.is_dir()) if base_dir.is_dir() else []
     listing = f" Sweeps under {base_dir}/: {', '.join(known)}." if known else ""
     raise UsageError(
-        f"No sweep {str(target)!r}: give a sweep name under {base_dir}/, a sweep folder, or a "
-        f"grid file (.yaml).{listing}"
+        f"No sweep {str(target)!r}: give a sweep name under {base_dir}/, a sweep folder, a sweep archive "
+        f"(.tar.xz), or a grid file (.yaml).{listing}"
     )
+
+
+def report_folder(sweep_dir: str | Path, out_dir: str | Path | None) -> Path:
+    """Where the report goes: ``out_dir``, else the sweep folder; an archive is never written into."""
+    if out_dir is not None:
+        return Path(out_dir)
+    if is_archive(sweep_dir):
+        raise UsageError(
+            f"The report of the sweep archive {sweep_dir} needs a folder to be written to: add --out FOLDER."
+        )
+    return Path(sweep_dir)
 
 
 def _find_bench(sweep_dir: Path, bench: str | Path | None, notes: list[str]) -> pd.DataFrame | None:
     if bench is not None and not Path(bench).is_file():
         raise UsageError(f"The benchmark CSV {str(bench)!r} does not exist: give the file `depthmem bench` wrote.")
+    if bench is None and is_archive(sweep_dir):
+        return None  # an archive holds no bench.csv: one comes with --bench
     path = Path(bench) if bench is not None else sweep_dir / "bench.csv"
     if not path.is_file():
         return None
@@ -183,15 +208,17 @@ def report(
     spec: ReportSpec | dict[str, Any] | None = None,
     bench: str | Path | None = None,
 ) -> Path:
-    """Write the sweep's tables, figures and ``REPORT.md`` (into ``out_dir``, default the sweep folder)."""
+    """Write the sweep's tables, figures and ``REPORT.md`` (into ``out_dir``, default the sweep folder; a sweep
+    archive needs ``out_dir``)."""
     spec = report_spec(spec)
     sweep_dir = Path(sweep_dir)
+    out_dir = report_folder(sweep_dir, out_dir)
     notes: list[str] = []
     bench_frame = _find_bench(sweep_dir, bench if bench is not None else spec.bench, notes)
     sweep = load_sweep(sweep_dir)
     if not sweep.runs:
         raise UsageError(f"No run directories (folders with a config.json) under {sweep_dir}: nothing to report.")
-    out_dir = writable_dir(Path(out_dir) if out_dir is not None else sweep_dir, "report folder")
+    out_dir = writable_dir(out_dir, "report folder")
     table_dir, figure_dir = out_dir / "tables", out_dir / "figures"
     remove_stale_temps(out_dir, table_dir, figure_dir)
     notes = sweep.notes + notes
@@ -200,7 +227,7 @@ def report(
     data_paths = save_frame(tidy, out_dir / "aggregate")
     run_paths = save_frame(runs_frame(sweep), out_dir / "runs")
 
-    title = spec.title or f"Report: {sweep_dir.resolve().name}"
+    title = spec.title or f"Report: {archive_stem(sweep_dir) if is_archive(sweep_dir) else sweep_dir.resolve().name}"
     lines = [
         f"# {title}",
         "",

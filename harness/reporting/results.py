@@ -1,12 +1,11 @@
 """Read a sweep's run directories into one tidy table, without retraining anything.
 
 A sweep is a folder (``results/<sweep>/``) whose run directories are found recursively as folders holding a
-``config.json``. ``load_sweep`` reads every run once (config, status, summary, metrics, layers, mixing, eval and
-its per-item scores)
-and tolerates runs that are still being written: a file that is missing or cannot be parsed is skipped with a
-note, never an error. ``aggregate`` turns the runs into one tidy frame, one row per run × step × metric, with
-the canonical variant name split into its base variant and knobs; tables and figures consume that frame and
-the ``Run`` records.
+``config.json``, or the same files packed into one archive (``harness.reporting.archive``). ``load_sweep`` reads
+every run once (config, status, summary, metrics, layers, mixing, eval and its per-item scores) and tolerates runs that are still being
+written: a file that is missing or cannot be parsed is skipped with a note, never an error. ``aggregate`` turns the
+runs into one tidy frame, one row per run × step × metric, with the canonical variant name split into its base
+variant and knobs; tables and figures consume that frame and the ``Run`` records.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import io
 import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pandas as pd
@@ -24,6 +23,7 @@ from harness.config import PRESETS
 from harness.errors import UsageError
 from harness.io import atomic_write_bytes
 from harness.registry import format_value, parse_spec
+from harness.reporting.archive import FolderSource, find_run_dirs, is_archive, open_source  # noqa: F401
 from harness.reporting.axes import _IGNORED_KEYS, _IGNORED_PREFIXES, _axis_columns, _flatten, tuned_keys  # noqa: F401
 
 FINISHED = "done"
@@ -36,7 +36,8 @@ class Run:
 
     run_id: str
     rel: str
-    path: Path
+    path: Path | PurePosixPath
+    """The run directory; for a sweep archive, its path inside the archive."""
     config: dict[str, Any]
     variant: str
     base: str
@@ -125,29 +126,35 @@ def _as_float(value: Any) -> float | None:
         return None
 
 
-def _read_json(path: Path, notes: list[str], root: Path) -> Any:
+def _read_json(source: FolderSource, rel: str, notes: list[str]) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(source.read_bytes(rel))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        notes.append(f"Skipped {path.relative_to(root)}: it could not be read ({type(e).__name__}).")
+        notes.append(f"Skipped {rel}: it could not be read ({type(e).__name__}).")
         return None
 
 
-def _read_csv(path: Path, notes: list[str], root: Path, numeric: tuple[str, ...] = ()) -> pd.DataFrame | None:
+def _read_csv(source: FolderSource, rel: str, notes: list[str], numeric: tuple[str, ...] = ()) -> pd.DataFrame | None:
     try:
-        frame = pd.read_csv(path, on_bad_lines="skip")
+        compression = "gzip" if rel.endswith(".gz") else None  # from bytes pandas cannot tell by the name
+        frame = pd.read_csv(io.BytesIO(source.read_bytes(rel)), on_bad_lines="skip", compression=compression)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        notes.append(f"Skipped {path.relative_to(root)}: it could not be read ({type(e).__name__}).")
+        notes.append(f"Skipped {rel}: it could not be read ({type(e).__name__}).")
         return None
     for col in numeric:
         if col in frame:
             # A line cut short by a writer still appending reads as NaN instead of failing the whole file.
             frame[col] = pd.to_numeric(frame[col], errors="coerce")
     return frame
+
+
+def _member(run_dir: str, name: str) -> str:
+    """The path of a run directory's file relative to the sweep (``run_dir`` is ``.`` for the sweep itself)."""
+    return name if run_dir == "." else f"{run_dir}/{name}"
 
 
 def _registry_knobs() -> dict[str, dict[str, str]]:
@@ -211,45 +218,43 @@ def _settings(runs: list[Run], tuned: set[str] = frozenset()) -> dict[str, str]:
     return columns
 
 
-def find_run_dirs(root: Path) -> list[Path]:
-    """Every folder under ``root`` (itself included) that holds a ``config.json``, sorted by path."""
-    return sorted({p.parent for p in Path(root).rglob("config.json")})
-
-
 def load_sweep(root: str | Path) -> Sweep:
-    """Read every run directory under ``root``; unreadable files become notes, not errors."""
+    """Read every run directory under ``root``, a sweep folder or an archive ``depthmem pack`` wrote; unreadable
+    files become notes, not errors."""
     root = Path(root)
-    if not root.is_dir():
+    if is_archive(root) and not root.is_file():
+        raise UsageError(f"The sweep archive {str(root)!r} does not exist: give the file `depthmem pack` wrote.")
+    if not (root.is_dir() or is_archive(root)):
         raise UsageError(f"The sweep folder {str(root)!r} does not exist: give a folder of run directories.")
-    notes: list[str] = []
+    source = open_source(root)
+    notes: list[str] = list(source.notes)
     runs: list[Run] = []
     registry = _registry_knobs()
-    dirs = find_run_dirs(root)
-    names = [d.name for d in dirs]
-    for d in dirs:
-        config = _read_json(d / "config.json", notes, root)
+    dirs = source.run_dirs()
+    names = [PurePosixPath(d).name or source.name for d in dirs]
+    for rel, name in zip(dirs, names):
+        config = _read_json(source, _member(rel, "config.json"), notes)
         if not isinstance(config, dict):
-            if config is None and (d / "config.json").exists():
+            if config is None and source.exists(_member(rel, "config.json")):
                 continue  # already noted as unreadable
-            notes.append(f"Skipped {d.relative_to(root)}: its config.json holds no mapping.")
+            notes.append(f"Skipped {rel}: its config.json holds no mapping.")
             continue
         if (config.get("data") or {}).get("eval_split") == "tune":
             continue  # a tuning run validated on the tuning split: the tuning table reports it, no average does
-        rel = d.relative_to(root).as_posix() or "."
         spec = str(config.get("variant", "preln"))
         variant, base, knobs = split_variant(spec, notes)
-        status = _read_json(d / "status.json", notes, root)
+        status = _read_json(source, _member(rel, "status.json"), notes)
         if not isinstance(status, dict):
             status = {"state": "pending", "message": "no readable status.json"}
-        summary = _read_json(d / "summary.json", notes, root)
-        mixing = _read_json(d / "mixing.json", notes, root)
+        summary = _read_json(source, _member(rel, "summary.json"), notes)
+        mixing = _read_json(source, _member(rel, "mixing.json"), notes)
         seed = config.get("train", {}).get("seed", 0)
         runs.append(
             Run(
                 # Run ids are folder names; a name that repeats elsewhere in the tree falls back to its path.
-                run_id=d.name if names.count(d.name) == 1 else rel,
+                run_id=name if names.count(name) == 1 else rel,
                 rel=rel,
-                path=d,
+                path=source.path(rel),
                 config=config,
                 variant=variant,
                 base=base,
@@ -258,16 +263,16 @@ def load_sweep(root: str | Path) -> Sweep:
                 seed=int(seed) if isinstance(seed, (int, float)) else 0,
                 status=status,
                 summary=summary if isinstance(summary, dict) else None,
-                metrics=_read_csv(d / "metrics.csv", notes, root, ("step", "tokens", *METRIC_COLUMNS)),
+                metrics=_read_csv(source, _member(rel, "metrics.csv"), notes, ("step", "tokens", *METRIC_COLUMNS)),
                 layers=_read_csv(
-                    d / "layers.csv", notes, root, ("step", "layer", "input_rms", "output_rms", "grad_norm")
+                    source, _member(rel, "layers.csv"), notes, ("step", "layer", "input_rms", "output_rms", "grad_norm")
                 ),
                 mixing=mixing if isinstance(mixing, dict) else None,
-                eval=_read_csv(d / "eval" / "table.csv", notes, root, ("value", "stderr")),
-                items=_read_csv(d / "eval" / "items.csv.gz", notes, root, ("doc_id", "value")),
+                eval=_read_csv(source, _member(rel, "eval/table.csv"), notes, ("value", "stderr")),
+                items=_read_csv(source, _member(rel, "eval/items.csv.gz"), notes, ("doc_id", "value")),
             )
         )
-    axis_keys = _settings(runs, tuned_keys(root))
+    axis_keys = _settings(runs, tuned_keys(source))
     seen = sorted({k for r in runs for k in r.knobs})
     for run in runs:
         defaults = registry.get(run.base)

@@ -6,13 +6,14 @@ one line ``protocol_line`` gives, under its title.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from harness.io import DamagedFile, read_json
+from harness.reporting.archive import open_source
 from harness.reporting.items import Context, NoData, table
 from harness.reporting.tables import Table
 
@@ -20,13 +21,15 @@ TUNING_FILE = "tuning.json"
 
 
 def read_tuning(sweep_dir: str | Path) -> dict[str, Any] | None:
-    """The ``tuning.json`` of the sweep at ``sweep_dir``, or of the sweeps under it (a results folder holding
-    several: their cells together), or None when no sweep there had a tuning stage or no file parses."""
+    """The ``tuning.json`` of the sweep at ``sweep_dir`` (a folder or a sweep archive), or of the sweeps under it (a
+    results folder holding several: their cells together), or None when no sweep there had a tuning stage or no file
+    parses."""
+    source = open_source(sweep_dir)
     found = []
-    for path in sorted(Path(sweep_dir).rglob(TUNING_FILE)):
+    for rel in source.find(TUNING_FILE):
         try:
-            data = read_json(path)
-        except DamagedFile:
+            data = json.loads(source.read_bytes(rel))
+        except (OSError, ValueError):
             continue
         if isinstance(data, dict) and isinstance(data.get("cells"), list):
             found.append(data)
