@@ -2,10 +2,10 @@
 
 A sweep is a folder (``results/<sweep>/``) whose run directories are found recursively as folders holding a
 ``config.json``, or the same files packed into one archive (``harness.reporting.archive``). ``load_sweep`` reads
-every run once (config, status, summary, metrics, layers, mixing, eval and its per-item scores) and tolerates runs that are still being
-written: a file that is missing or cannot be parsed is skipped with a note, never an error. ``aggregate`` turns the
-runs into one tidy frame, one row per run × step × metric, with the canonical variant name split into its base
-variant and knobs; tables and figures consume that frame and the ``Run`` records.
+every run once (config, status, summary, metrics, layers, mixing, eval and each item's score) and tolerates runs
+that are still being written: a file that is missing or cannot be parsed is skipped with a note, never an error.
+``aggregate`` turns the runs into one tidy frame, one row per run × step × metric, with the canonical variant name
+split into its base variant and knobs; tables and figures consume that frame and the ``Run`` records.
 """
 
 from __future__ import annotations
