@@ -45,9 +45,11 @@ reference: setup
 	$(BIN)/depthmem report experiments/reference.yaml --out results/reference/study
 
 # The reference study under the protocol (tuned learning rates, five seeds, matched PreLN, the qk_source controls):
-# about 15 minutes on two cores; results/reference/protocol/ keeps its report and Parquet tables.
+# about 15 minutes on two cores; results/reference/protocol/ keeps its report and Parquet tables, and the run
+# directories are committed as one archive (results/reference/protocol-runs.tar.xz).
 reference-protocol: setup
 	$(BIN)/depthmem sweep experiments/reference-protocol.yaml --results results/reference/protocol-runs
+	$(BIN)/depthmem pack results/reference/protocol-runs --out results/reference/protocol-runs.tar.xz
 	$(BIN)/depthmem report experiments/reference-protocol.yaml --out results/reference/protocol
 
 bench: setup

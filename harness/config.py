@@ -283,7 +283,8 @@ class RunConfig:
     name: str = ""
     """Experiment name; run directories go under results/<name>/."""
     variant: str = "preln"
-    """A registered depth mixer with optional knobs, e.g. ``ldm-rls(groups=4,lambda=1.0)``."""
+    """A registered depth mixer with optional knobs, e.g. ``ldm-rls(groups=4,lambda=1.0)``; once built, the parsed
+    ``variants.VariantSpec``, a ``str`` holding the canonical name."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -293,6 +294,11 @@ class RunConfig:
     def __post_init__(self):
         if not str(self.variant).strip():
             raise ValueError("variant is empty: name a depth mixer from `depthmem variants`, e.g. preln")
+        import variants
+
+        # Parsed here, once, for this model's width and depth (a UsageError naming the allowed values otherwise):
+        # everything downstream takes the parsed value, the canonical name with the mixer's typed knobs.
+        self.variant = variants.validate(self.variant, d_model=self.model.d_model, n_layers=self.model.n_layers)
 
     def to_dict(self) -> dict[str, Any]:
         # What dataclasses.asdict gives, without its deep copy of every scalar, which dominated the expansion of
@@ -304,6 +310,8 @@ class RunConfig:
                 out[f.name] = {k: (_copied(v) if type(v) in (list, dict) else v) for k, v in vars(value).items()}
             else:
                 out[f.name] = _copied(value)
+        # Plain types only: a checkpoint's copy of the config loads with torch's weights-only unpickler.
+        out["variant"] = str(self.variant)
         return out
 
     @classmethod

@@ -58,16 +58,6 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _canonical_variant(spec: str) -> str:
-    # ``ldm-rls`` and ``ldm-rls(groups=16)`` are one model, so they must share a hash (and collide in a grid).
-    import variants
-
-    try:
-        return variants.canonical(spec)
-    except UsageError:
-        return spec
-
-
 # Settings that change how a run is watched, where it runs or what is done with it afterwards, but not the model
 # it trains: evaluation, loggers, log/validation/checkpoint intervals, the process layout and the cache folder.
 # Batches are keyed by (seed, step) and the global batch is split over processes, so neither the intervals nor
@@ -93,8 +83,10 @@ NOT_IDENTITY = {
 def identity(cfg: RunConfig, *, with_seed: bool = True) -> dict[str, Any]:
     """The part of a config that decides the trained model: model, variant (canonical), data, tokenizer,
     optimisation, precision, budget and (optionally) seed."""
+    # The variant is the parsed, canonical name: ``ldm-rls`` and ``ldm-rls(groups=16)`` are one model, so they
+    # share a hash (and collide in a grid).
     d = cfg.to_dict()
-    d["variant"] = _canonical_variant(cfg.variant)
+    d["variant"] = str(cfg.variant)
     for section, keys in NOT_IDENTITY.items():
         if keys is None:
             d.pop(section, None)
@@ -170,9 +162,7 @@ def short_value(value: Any) -> str:
 def run_id(cfg: RunConfig, axes: dict[str, Any] | None = None) -> str:
     """A stable, readable id: the variant, the values of the grid's other axes, the seed and a short hash of the
     run's identity, e.g. ``ldm-rls-lr3e-3-s0-3f2a9c1e``. The hash alone tells runs apart; the rest is for reading."""
-    import variants
-
-    parts = [_SLUG.sub("-", variants.canonical(cfg.variant)).strip("-")]
+    parts = [_SLUG.sub("-", str(cfg.variant)).strip("-")]
     for key, value in (axes or {}).items():
         if key in ("variant", "train.seed", "name"):
             continue

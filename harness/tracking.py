@@ -116,8 +116,6 @@ def _wandb(run_dir: Path, cfg: RunConfig, rows) -> None:
 
     import wandb
 
-    import variants
-
     record = _record(run_dir)
     if not record.get("wandb_id"):
         record["wandb_id"] = f"{run_dir.name[:100]}-{uuid.uuid4().hex[:8]}"
@@ -126,7 +124,7 @@ def _wandb(run_dir: Path, cfg: RunConfig, rows) -> None:
         dir=wandb_dir(run_dir),
         project=cfg.train.wandb_project or os.environ.get("WANDB_PROJECT") or cfg.name or "depthmem",
         group=cfg.name or None,
-        job_type=variants.canonical(cfg.variant),
+        job_type=str(cfg.variant),  # the canonical name
         name=run_dir.name,
         id=record["wandb_id"],
         resume="allow",

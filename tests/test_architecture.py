@@ -10,13 +10,14 @@ longest prefix listed (``variants.errors`` sits with ``harness.errors``, not wit
     3  harness.benchmarks, harness.evaluation
     4  harness.training, harness.reporting
     5  harness.model, harness.rundir, harness.tracking, harness.preflight
-    6  harness.data, variants
-    7  harness.config, harness.io, harness.registry, harness.measure, harness.sbatch, harness.units,
-       harness.yamltext, variants.registry
+    6  harness.data, harness.config, variants
+    7  harness.io, harness.registry, harness.measure, harness.sbatch, harness.units, harness.yamltext,
+       variants.registry
     8  harness.errors, variants.errors
 
-Run folders, tracking and pre-flight checks describe one run of a model, so they sit with the model; the small
-helpers that only parse, format or measure sit with the configuration.
+Run folders, tracking and pre-flight checks describe one run of a model, so they sit with the model; the
+configuration parses its variant against the registry of mixers (``variants.spec``), so it sits beside them; the
+small helpers that only parse, format or measure sit below.
 
 Imports inside functions count: a deferred import still ties the two modules together.
 """
@@ -41,9 +42,8 @@ STAGES = [
     ["harness.benchmarks", "harness.evaluation"],
     ["harness.training", "harness.reporting"],
     ["harness.model", "harness.rundir", "harness.tracking", "harness.preflight"],
-    ["harness.data", "variants"],
+    ["harness.data", "harness.config", "variants"],
     [
-        "harness.config",
         "harness.io",
         "harness.registry",
         "harness.measure",

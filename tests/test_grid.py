@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import variants
 from harness.cli import main
 from harness.errors import UsageError
 from harness.rundir import run_id, short_value
@@ -205,7 +206,7 @@ def test_experiment_files_expand():
         "ldm-rls(residual_write=off,qk_source=residual)",
         "ldm-rls(qk_source=read)",
     ):
-        assert name in variants_run
+        assert variants.canonical(name) in variants_run  # a run carries the canonical name
     assert {r.cfg.model.preset for r in paper.runs} == {"gpt2-small"}
 
 

@@ -278,3 +278,38 @@ def test_parameter_matched_preln_refuses_what_it_cannot_match():
         with pytest.raises(UsageError, match=message) as info:
             variants.validate(spec, d_model=64, n_layers=4)
         assert "\n" not in str(info.value)
+
+
+def test_config_parses_its_variant_once_into_a_typed_value(monkeypatch, rng_seed):
+    """build_config reads the variant text once; building, hashing and naming the run take the parsed value."""
+    import pickle
+
+    from harness import build_config, rundir
+    from variants.registry import Registry
+
+    groups = [1, 2, 4, 8][rng_seed % 4]
+    cfg = build_config({"variant": f"ldm-rls( lambda=0.99 , groups={groups})", "model": {"preset": "tiny"}})
+    assert isinstance(cfg.variant, variants.VariantSpec)
+    assert cfg.variant == f"ldm-rls(groups={groups},lambda=0.99)" and cfg.variant.name == "ldm-rls"
+    assert (cfg.variant.config.groups, cfg.variant.config.lambda_) == (groups, 0.99)
+    assert cfg.variant.knobs == {"groups": str(groups), "lambda": "0.99"}
+    assert pickle.loads(pickle.dumps(cfg)).variant.config == cfg.variant.config
+    assert type(cfg.to_dict()["variant"]) is str  # the saved config holds plain types only
+
+    def parse_again(self, spec):
+        raise AssertionError(f"the variant {spec!r} was parsed again")
+
+    monkeypatch.setattr(Registry, "config", parse_again)
+    monkeypatch.setattr(Registry, "canonical", parse_again)
+    model = build_model(cfg.model, cfg.variant)
+    assert model.mixer.cfg.groups == groups
+    assert rundir.run_id(cfg).startswith(f"ldm-rls-groups-{groups}-lambda-0.99-s0-")
+    rundir.config_hash(cfg)
+
+
+def test_a_variant_too_narrow_for_the_model_is_refused_when_the_config_is_built():
+    from harness import build_config
+
+    with pytest.raises(UsageError, match=r"groups=64 at d_model=64 gives keys of width 1"):
+        build_config({"variant": "ldm-rls(groups=64)", "model": {"preset": "tiny"}})
+    build_config({"variant": "ldm-rls(groups=64)", "model": {"preset": "tiny", "d_model": 128, "n_heads": 2}})

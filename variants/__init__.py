@@ -10,7 +10,10 @@ each beside its plain reference, in ``variants.kernels``. Nothing here imports `
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from variants.registry import Entry, parse_spec
 
 if TYPE_CHECKING:
     from variants.base import DepthMixer
@@ -56,37 +59,97 @@ def describe() -> list[dict]:
     return _registry().describe()
 
 
-def canonical(spec: str) -> str:
-    """The stable form of a variant name: knobs in order, defaults dropped."""
-    return _registry().canonical(spec)
+# A run's variant is parsed once, into a ``VariantSpec``: a ``str`` holding the canonical name (knobs in declaration
+# order, defaults dropped), so it compares, hashes, prints and serialises as the name does, carrying what parsing
+# gave (the registry entry and the mixer's typed knob config). Pickling keeps the name and parses it again on the
+# other side (a SLURM job's process), where the registry is the same code.
 
 
-def validate(spec: str, *, d_model: int | None = None, n_layers: int | None = None) -> None:
-    """Raise a ``UsageError`` naming the allowed values when ``spec`` is not a valid variant (for this size)."""
-    if d_model is None or n_layers is None:
-        _registry().config(spec)
-    else:
-        import torch
+class VariantSpec(str):
+    """The canonical variant name, with what parsing it gave: ``entry``, ``config`` and ``knobs``."""
 
-        with torch.device("meta"):  # shapes only: validating a 78-run grid allocates and initializes nothing
-            build(spec, d_model=d_model, n_layers=n_layers)
+    entry: Entry
+    config: Any
+    """The mixer's typed ``Config`` dataclass, validated by its ``__post_init__``; shared, never to be changed."""
+    knobs: dict[str, str]
+    """The knobs the canonical name writes out (those that differ from the defaults), as text."""
+
+    @property
+    def name(self) -> str:
+        """The registered base name (``ldm-rls``)."""
+        return self.entry.name
+
+    def __reduce__(self):
+        return (spec, (str(self),))
 
 
-def build(spec: str, *, d_model: int, n_layers: int) -> DepthMixer:
-    """The mixer named by ``spec`` (e.g. ``ldm-rls(groups=4)``) for a model of this width and depth."""
+@lru_cache(maxsize=4096)
+def _parse(text: str) -> VariantSpec:
+    registry = _registry()
+    entry, config = registry.config(text)
+    out = VariantSpec(registry.canonical(text))
+    out.entry, out.config, out.knobs = entry, config, parse_spec(out)[1]
+    return out
+
+
+def spec(text: str | VariantSpec) -> VariantSpec:
+    """``text`` parsed against the variant registry (a ``UsageError`` naming the allowed values if it is not a
+    valid variant); a ``VariantSpec`` is returned as it is. Parses are remembered, so a grid of many runs of a few
+    variants parses each once."""
+    if isinstance(text, VariantSpec):
+        return text
+    return _parse(str(text))
+
+
+def canonical(name: str | VariantSpec) -> VariantSpec:
+    """The stable form of a variant name: knobs in order, defaults dropped (the parsed ``spec``, which is it)."""
+    return spec(name)
+
+
+def validate(name: str | VariantSpec, *, d_model: int | None = None, n_layers: int | None = None) -> VariantSpec:
+    """The parsed variant; a ``UsageError`` naming the allowed values when ``name`` is not a valid variant (for a
+    model of this width and depth, when they are given)."""
+    parsed = spec(name)
+    if d_model is not None and n_layers is not None:
+        _validate_size(parsed, d_model, n_layers)
+    return parsed
+
+
+@lru_cache(maxsize=4096)
+def _validate_size(parsed: VariantSpec, d_model: int, n_layers: int) -> None:
+    import torch
+
+    with torch.device("meta"):  # shapes only: validating a 78-run grid allocates and initializes nothing
+        build(parsed, d_model=d_model, n_layers=n_layers)
+
+
+def build(name: str | VariantSpec, *, d_model: int, n_layers: int) -> DepthMixer:
+    """The mixer named by ``name`` (e.g. ``ldm-rls(groups=4)``, or its parsed ``spec``) for a model of this width
+    and depth."""
     from variants.errors import UsageError
     from variants.ops import ldm_knobs
 
-    entry, cfg = _registry().config(spec)
+    parsed = spec(name)
     try:
-        mixer = entry.cls(cfg, d_model=d_model, n_layers=n_layers)
+        mixer = parsed.entry.cls(parsed.config, d_model=d_model, n_layers=n_layers)
         ldm_knobs.refuse_narrow_keys(mixer, d_model)
         return mixer
     except ValueError as e:
         # Knobs that only fail against a size (groups not dividing the width) are checked here.
         raise UsageError(
-            f"Bad knobs for variant {spec!r} at width {d_model} and {n_layers} layers: {str(e).rstrip('.')}."
+            f"Bad knobs for variant {str(name)!r} at width {d_model} and {n_layers} layers: {str(e).rstrip('.')}."
         ) from None
 
 
-__all__ = ["DepthMixer", "REGISTRY", "register", "names", "describe", "canonical", "validate", "build"]
+__all__ = [
+    "DepthMixer",
+    "REGISTRY",
+    "VariantSpec",
+    "register",
+    "names",
+    "describe",
+    "spec",
+    "canonical",
+    "validate",
+    "build",
+]

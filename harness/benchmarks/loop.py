@@ -196,8 +196,6 @@ def loop_bench(
     the median over rounds of each harness run's time over the mean of its two neighbours, minus 1."""
     import pandas as pd
 
-    import variants as registry
-
     for label, value, least in (
         ("--steps", steps, 3),
         ("--repeats", rounds, 1),
@@ -231,7 +229,6 @@ def loop_bench(
             seed=seed,
             device=device,
         )
-        registry.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
         if seq_len > cfg.model.max_seq_len:
             raise UsageError(
                 f"--seq must not exceed the preset's max_seq_len ({cfg.model.max_seq_len}), got {seq_len}."

@@ -88,11 +88,7 @@ def resolve(args):
 
 
 def run(args) -> int:
-    # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
-    import variants
-
-    cfg = resolve(args)
-    variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
+    cfg = resolve(args)  # its variant parsed and checked against the model's size, once
     problems = preflight.here(cfg)
     if problems:
         raise UsageError(problems[0])

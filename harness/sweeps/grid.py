@@ -387,19 +387,14 @@ def expand(grid: Grid, *, defaults: dict[str, Any] | None = None) -> list[GridRu
 
     ``defaults`` is a config layer under the grid's base (a resource profile's ``slurm`` and device settings).
     """
-    import variants
-
     builder = ConfigBuilder(nest(defaults or {}), nest(grid.base), source=grid.source)
     counted: dict = {}  # the baseline's parameter count per model size, built once
     runs: list[GridRun] = []
     seen: dict[str, dict[str, Any]] = {}
-    checked: set[tuple] = set()
     for overrides in combinations(grid):
         where = f"{grid.source} (run {_describe(overrides)})"
+        # Building the config parses its variant and checks it against the model's size.
         cfg = builder.build(nest(overrides), {"name": grid.name}, source=where)
-        if (cfg.variant, cfg.model.d_model, cfg.model.n_layers) not in checked:
-            variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
-            checked.add((cfg.variant, cfg.model.d_model, cfg.model.n_layers))
         # One budget for every run of a model size: tokens per parameter of the baseline, not of each variant.
         cfg = budget.resolve(cfg, grid.baseline, cache=counted)
         rid = run_id(cfg, overrides)

@@ -156,9 +156,6 @@ def _loggers(cfg: RunConfig, run_dir: Path) -> list:
     elif t.logger == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
-        # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
-        import variants
-
         # Project from the grid (train.wandb_project) or the sweep's name; one group per sweep, one job type per
         # variant, the run id as the name.
         # W&B's own settings win over the run folder: WANDB_DIR for the files (Lightning's save_dir would
@@ -167,7 +164,7 @@ def _loggers(cfg: RunConfig, run_dir: Path) -> list:
             save_dir=tracking.wandb_dir(run_dir),
             project=t.wandb_project or os.environ.get("WANDB_PROJECT") or cfg.name or "depthmem",
             group=cfg.name or None,
-            job_type=variants.canonical(cfg.variant),
+            job_type=str(cfg.variant),  # the canonical name
             name=run_dir.name,
             id=tracking_id(run_dir),
             resume="allow",
@@ -259,8 +256,6 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     from lightning.fabric.utilities.rank_zero import rank_zero_only
     from lightning.pytorch import seed_everything
 
-    import variants
-
     run_dir = Path(run_dir)
     rank0 = rank_zero_only.rank == 0
     _check_run_dir(run_dir)
@@ -282,7 +277,6 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     seq_len = seq_len_of(cfg)
     if seq_len > cfg.model.max_seq_len:
         raise UsageError(f"train.seq_len ({seq_len}) must not exceed model.max_seq_len ({cfg.model.max_seq_len}).")
-    variants.validate(cfg.variant, d_model=cfg.model.d_model, n_layers=cfg.model.n_layers)
 
     tok = datalib.get_tokenizer(cfg)
     tokens = datalib.load_tokens(cfg, tok)
