@@ -166,3 +166,29 @@ def test_a_cut_archive_keeps_the_runs_before_the_cut_and_says_so(sweep_dir, tmp_
     cut.write_bytes(packed.read_bytes()[: packed.stat().st_size * 2 // 3])
     sweep = load_sweep(cut)
     assert 0 < len(sweep.runs) < len(RUNS) and any("is damaged after its first" in n for n in sweep.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "grid, folder",
+    [
+        ("experiments/reference.yaml", "results/reference/study"),
+        ("experiments/reference-protocol.yaml", "results/reference/protocol"),
+    ],
+)
+def test_committed_reference_tables_come_from_their_committed_archive(tmp_path, monkeypatch, grid, folder):
+    """Each committed reference report's tables are what the report code makes of its committed run archive."""
+    from pathlib import Path
+
+    from harness.reporting.report import resolve_target
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the grid names its archive relative to the repository
+    source, spec = resolve_target(grid)
+    assert source.suffix == ".xz" and source.is_file()
+    spec.figures = []  # the tables carry the numbers; drawing the figures would only add time
+    report(source, out_dir=tmp_path, spec=spec)
+    committed = sorted((root / folder / "tables").glob("*.csv"))
+    assert committed
+    for path in committed:
+        assert (tmp_path / "tables" / path.name).read_text() == path.read_text(), path.name
