@@ -10,6 +10,7 @@ a run with its step and last finite loss, keep the last good checkpoint, and sho
 from __future__ import annotations
 
 import csv
+import gzip
 import hashlib
 import json
 import math
@@ -129,8 +130,8 @@ def check_parses(folder: Path) -> int:
         suffix = path.suffix
         if suffix == ".json":
             json.loads(path.read_text())
-        elif suffix == ".csv":
-            with open(path, newline="") as f:
+        elif suffix == ".csv" or path.name.endswith(".csv.gz"):
+            with gzip.open(path, "rt", newline="") if suffix == ".gz" else open(path, newline="") as f:
                 rows = list(csv.reader(f))
             assert rows and rows[0], f"{path} has no header"
             assert all(len(r) == len(rows[0]) for r in rows), f"{path} has a cut-off row"
@@ -163,6 +164,12 @@ def snapshot(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
 def table_rows(run: Path, task: str) -> list[dict[str, str]]:
     """The rows of one task in ``eval/table.csv``, as the text written."""
     with open(run / "eval" / "table.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if r["task"] == task]
+
+
+def item_rows(run: Path, task: str) -> list[dict[str, str]]:
+    """The rows of one task in ``eval/items.csv.gz``, as the text written."""
+    with gzip.open(run / "eval" / "items.csv.gz", "rt", newline="") as f:
         return [r for r in csv.DictReader(f) if r["task"] == task]
 
 
@@ -238,8 +245,8 @@ def test_evaluation_killed_at_random_moments_loses_nothing(reference, kill_rng, 
     common = ["--limit", "6", "--bootstrap-iters", "0", "--device", "cpu"]
     duration = runner.run(["eval", str(run), "--tasks", "offline_copa", *common])
     finished = snapshot(run)  # the run and its first evaluation: finished results
-    copa = table_rows(run, "offline_copa")
-    assert copa, "the first evaluation wrote no rows"
+    copa, copa_items = table_rows(run, "offline_copa"), item_rows(run, "offline_copa")
+    assert copa and copa_items, "the first evaluation wrote no rows"
 
     argv = ["eval", str(run), "--tasks", "offline_piqa", *common]
     piqa_rows = None
@@ -250,18 +257,20 @@ def test_evaluation_killed_at_random_moments_loses_nothing(reference, kill_rng, 
         print(f"evaluation trial {trial}: SIGKILL after {delay:.2f}s -> {outcome}, {files} files parse")
         now = snapshot(run)
         # The evaluation's own records (its table and the list of tasks evaluated) grow with each evaluation.
-        grows = ("eval/table.csv", "eval/tasks.json")
+        grows = ("eval/table.csv", "eval/items.csv.gz", "eval/tasks.json")
         assert {k: v for k, v in now.items() if k in finished and k not in grows} == {
             k: v for k, v in finished.items() if k not in grows
         }, "a finished file changed"
         assert table_rows(run, "offline_copa") == copa, "the earlier task's rows changed"
+        assert item_rows(run, "offline_copa") == copa_items, "the earlier task's items changed"
         piqa = table_rows(run, "offline_piqa")
         if piqa:
             assert piqa_rows in (None, piqa), "two evaluations of one task disagree"
             piqa_rows = piqa
 
     runner.run(argv)
-    assert table_rows(run, "offline_copa") == copa
+    assert table_rows(run, "offline_copa") == copa and item_rows(run, "offline_copa") == copa_items
+    assert len(item_rows(run, "offline_piqa")) == 6 * 2  # six items, acc and acc_norm
     piqa = table_rows(run, "offline_piqa")
     assert piqa and piqa_rows in (None, piqa) and all(0.0 <= float(r["value"]) <= 1.0 for r in piqa)
     assert check_parses(run) > 0
