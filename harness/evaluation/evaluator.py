@@ -316,19 +316,22 @@ def item_rows(samples: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _write_items(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Replace the items of the tasks in ``rows`` in the gzipped CSV at ``path``, keeping other tasks' items."""
+def _replace_task_rows(path: Path, rows: list[dict[str, Any]], columns: tuple[str, ...], key) -> Path:
+    """Write ``rows`` into the CSV at ``path`` (gzipped when it ends in ``.gz``) in place of the rows of their tasks,
+    keeping the rows of other tasks, sorted by ``key``; atomically."""
+    gzipped = path.suffix == ".gz"
     fresh = {row["task"] for row in rows}
     kept = []
     if path.is_file():
-        with gzip.open(path, "rt", newline="") as f:
+        with gzip.open(path, "rt", newline="") if gzipped else open(path, newline="") as f:
             kept = [row for row in csv.DictReader(f) if row.get("task") not in fresh]
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=ITEM_COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(sorted(kept + rows, key=lambda r: (r["task"], r["metric"], int(r["doc_id"]))))
-    # mtime=0: the same scores give the same bytes.
-    return atomic_write_bytes(path, gzip.compress(buffer.getvalue().encode(), mtime=0))
+    writer.writerows(sorted(kept + rows, key=key))
+    if gzipped:  # mtime=0: the same rows give the same bytes
+        return atomic_write_bytes(path, gzip.compress(buffer.getvalue().encode(), mtime=0))
+    return atomic_write_text(path, buffer.getvalue())
 
 
 def write_results(results: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
@@ -343,22 +346,18 @@ def write_results(results: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     out_dir = Path(out_dir)
     samples = results.pop("samples", None)
     if samples:
-        _write_items(item_rows(samples), out_dir / ITEMS_FILE)
+        _replace_task_rows(
+            out_dir / ITEMS_FILE,
+            item_rows(samples),
+            ITEM_COLUMNS,
+            key=lambda r: (r["task"], r["metric"], int(r["doc_id"])),
+        )
     stamp = datetime.now().isoformat().replace(":", "-")  # lm-eval's own file naming
     results_path = atomic_write_text(
         out_dir / f"results_{stamp}.json",
         json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n",
     )
-    new_rows = table_rows(results)
-    fresh = {row["task"] for row in new_rows}
-    table_path = out_dir / "table.csv"
-    kept = []
-    if table_path.is_file():
-        with open(table_path, newline="") as f:
-            kept = [row for row in csv.DictReader(f) if row.get("task") not in fresh]
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=TABLE_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(sorted(kept + new_rows, key=lambda r: (r["task"], r["metric"])))
-    atomic_write_text(table_path, buffer.getvalue())
+    table_path = _replace_task_rows(
+        out_dir / "table.csv", table_rows(results), TABLE_COLUMNS, key=lambda r: (r["task"], r["metric"])
+    )
     return results_path, table_path
