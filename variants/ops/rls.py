@@ -155,6 +155,25 @@ def _projections_backward(dk, dkr, dvr, dsq, k, coeffs, keys, values, grads):
     return dkeys, dvalues
 
 
+def _whiten_open(k, k_rest, v_rest, sq, r, total, writes):
+    """The end of a whitened write, shared by ``_Whiten`` and ``_CarriedWhiten``: project the open ``writes``
+    (keys then values) out of ``k_rest``, ``v_rest`` and ``δ² = sq``, in place, floor δ² at ``d_n = r`` and divide
+    by δ. Returns ``(k̃, ṽ, δ, floored, margin)``, ``margin`` the smallest ``δ² / (|k|² + d_n)``."""
+    n = len(writes) // 2
+    for kj, vj in zip(writes[:n], writes[n:]):
+        c = _bdot(kj, k)  # l_j, (..., g, 1)
+        k_rest.addcmul_(c, kj, value=-1.0)
+        v_rest.addcmul_(c, vj, value=-1.0)
+        sq.addcmul_(c, c, value=-1.0)
+    # δ² is the Schur complement of K Kᵀ + D, never below d_n in exact arithmetic (K Kᵀ's part is at most |k|²);
+    # the floor keeps rounding from taking it to zero or below.
+    floored = sq < r
+    sq = torch.maximum(sq, r)
+    margin = (sq / total).min()  # exactly 1 without earlier writes: δ² is then |k|² + d_n itself
+    delta = sq.sqrt_()
+    return k_rest.div_(delta), v_rest.div_(delta), delta, floored, margin
+
+
 class _Whiten(torch.autograd.Function):
     """One Gram–Schmidt step of the dual form with its backward written out (autograd's took most of ldm-rls's
     extra time: a fresh gradient tensor per earlier write and operation). ``apply(k, v, ridge, grads, *keys,
@@ -163,22 +182,9 @@ class _Whiten(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k, v, ridge, grads, *writes):
-        n = len(writes) // 2
         r = ridge.unsqueeze(-1)
         total = _bdot(k, k) + r
-        coeffs = [_bdot(kj, k) for kj in writes[:n]]  # l_j, (..., g, 1) each
-        k_rest, v_rest, sq = k.clone(), v.clone(), total.clone()
-        for c, kj, vj in zip(coeffs, writes[:n], writes[n:]):
-            k_rest.addcmul_(c, kj, value=-1.0)
-            v_rest.addcmul_(c, vj, value=-1.0)
-            sq.addcmul_(c, c, value=-1.0)
-        # δ² is the Schur complement of K Kᵀ + D, never below d_n in exact arithmetic (K Kᵀ's part is at most
-        # |k|²); the floor keeps rounding from taking it to zero or below.
-        floored = sq < r
-        sq = torch.maximum(sq, r)
-        margin = (sq / total).min() if n else torch.ones((), dtype=k.dtype, device=k.device)
-        delta = sq.sqrt_()
-        kt, vt = k_rest.div_(delta), v_rest.div_(delta)
+        kt, vt, delta, floored, margin = _whiten_open(k, k.clone(), v.clone(), total.clone(), r, total, writes)
         ctx.grads = grads
         # Not the coefficients, one (..., g, 1) tensor per earlier write, O(L²) over the depth: backward takes the
         # same dot products again.
@@ -208,7 +214,6 @@ class _CarriedWhiten(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k, v, ridge, memory, token, grads, *writes):
-        n = len(writes) // 2
         r = ridge.unsqueeze(-1)
         total = _bdot(k, k) + r
         # [M k; S k] as one row-vector product on the memories' shared buffer (``CarriedMemory``).
@@ -218,16 +223,7 @@ class _CarriedWhiten(torch.autograd.Function):
         k_rest = k - Sk
         v_rest = v - Mk
         sq = total - _bdot(k, Sk)
-        coeffs = [_bdot(kj, k) for kj in writes[:n]]
-        for c, kj, vj in zip(coeffs, writes[:n], writes[n:]):
-            k_rest.addcmul_(c, kj, value=-1.0)
-            v_rest.addcmul_(c, vj, value=-1.0)
-            sq.addcmul_(c, c, value=-1.0)
-        floored = sq < r  # as in _Whiten: δ² is never below d_n in exact arithmetic
-        sq = torch.maximum(sq, r)
-        margin = (sq / total).min()
-        delta = sq.sqrt_()
-        kt, vt = k_rest.div_(delta), v_rest.div_(delta)
+        kt, vt, delta, floored, margin = _whiten_open(k, k_rest, v_rest, sq, r, total, writes)
         ctx.memory, ctx.phase, ctx.grads = memory, memory.phase, grads
         # Neither S k nor the coefficients: backward makes what it needs of them again from the whitened write
         # and the open writes, rather than keep a (b, t, g, k) tensor per write.
