@@ -172,20 +172,19 @@ def split_variant(spec: str, notes: list[str] | None = None) -> tuple[str, str, 
     try:
         import variants
 
-        canonical = variants.canonical(spec)
+        parsed = variants.spec(spec)
+        return str(parsed), parsed.name, dict(parsed.knobs)
     except Exception:
-        # Unknown to this checkout's registry (or the registry failed to load): keep the name as written.
-        canonical = None
+        pass  # unknown to this checkout's registry (or the registry failed to load): keep the name as written
     try:
-        base, knobs = parse_spec(canonical or spec)
+        base, knobs = parse_spec(spec)
     except UsageError:
         if notes is not None:
             notes.append(f"The variant name {spec!r} cannot be parsed; it is shown as written.")
         return spec, spec, {}
-    if canonical is None:
-        if notes is not None:
-            notes.append(f"The variant {spec!r} is not in the variant registry; its name is shown as written.")
-        canonical = f"{base}({','.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else base
+    if notes is not None:
+        notes.append(f"The variant {spec!r} is not in the variant registry; its name is shown as written.")
+    canonical = f"{base}({','.join(f'{k}={v}' for k, v in knobs.items())})" if knobs else base
     return canonical, base, knobs
 
 

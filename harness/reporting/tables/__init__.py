@@ -54,7 +54,6 @@ from harness.reporting.tables.comparisons import (
     downstream_scores,
     downstream_table,
     main_table,
-    score_interval,
 )
 from harness.reporting.tables.paired_items import downstream_paired_table
 from harness.reporting.tables.ablations import ablation_table
@@ -106,7 +105,6 @@ __all__ = [
     "downstream_table",
     "downstream_paired_table",
     "main_table",
-    "score_interval",
     "BENCH_COLUMNS",
     "COST_FIELDS",
     "MEMORY_METHODS",

@@ -7,7 +7,7 @@ from harness.reporting.items import Context, NoData, table
 from harness.reporting.render import Table
 from harness.reporting.results import split_variant
 from harness.reporting.tables.common import LDM_BASES, group_runs, one_seed_note, ordered_keys, with_axes
-from harness.reporting.tables.comparisons import _comparison_notes, _comparison_rows
+from harness.reporting.tables.comparisons import comparison_notes, comparison_rows
 
 
 @table("ablations", needs="runs of `ldm` or `ldm-rls`")
@@ -22,10 +22,10 @@ def ablation_table(ctx: Context) -> Table:
     if all(r.variant == reference for r in runs):
         raise NoData(f"no ablation of {reference}: every ldm or ldm-rls run is the reference itself")
     groups = group_runs(runs)
-    data, display, used = _comparison_rows(groups, ordered_keys(groups, reference), reference, with_ppl=False)
+    data, display, used = comparison_rows(groups, ordered_keys(groups, reference), reference, with_ppl=False)
     notes = [
         f"Variants whose base is {' or '.join(LDM_BASES)}, against {reference}.",
-        *_comparison_notes(used, reference, display, data),
+        *comparison_notes(used, reference, display, data),
     ]
     data, display = with_axes(data, display, sweep)
     notes += one_seed_note(data)

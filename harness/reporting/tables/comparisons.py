@@ -28,7 +28,7 @@ from harness.reporting.tables.common import (
 )
 
 
-def _comparison_rows(
+def comparison_rows(
     groups: dict[tuple[str, str], list[Run]], keys: list[tuple[str, str]], reference: str, *, with_ppl: bool
 ) -> tuple[list[dict], list[dict], dict]:
     """Rows of a comparison with ``reference``, and what the notes must say: the interval methods used, the
@@ -128,7 +128,7 @@ def _comparison_rows(
     return data, display, used
 
 
-def _comparison_notes(used: dict, reference: str, display: list[dict], rows: list[dict]) -> list[str]:
+def comparison_notes(used: dict, reference: str, display: list[dict], rows: list[dict]) -> list[str]:
     """How the Δ column was computed, and the training budget of the compared runs."""
     methods = used["methods"]
     notes = []
@@ -191,10 +191,10 @@ def main_table(ctx: Context) -> Table:
     groups = group_runs(sweep.runs)
     if not groups:
         raise NoData("no run directories")
-    data, display, used = _comparison_rows(groups, ordered_keys(groups, baseline), baseline, with_ppl=True)
+    data, display, used = comparison_rows(groups, ordered_keys(groups, baseline), baseline, with_ppl=True)
     notes = [
         "Mean over seeds ± half-width of the two-sided 95% Student-t interval. Only finished runs are counted.",
-        *_comparison_notes(used, baseline, display, data),
+        *comparison_notes(used, baseline, display, data),
     ]
     data, display = with_axes(data, display, sweep)
     notes += one_seed_note(data)
@@ -230,12 +230,6 @@ def downstream_scores(sweep: Sweep) -> tuple[pd.DataFrame, dict[str, str]]:
                     }
                 )
     return pd.DataFrame(rows, columns=["setting", "variant", "seed", "task", "value", "stderr"]), chosen
-
-
-def score_interval(values: list[float], stderrs: list[float]) -> tuple[float, float, str]:
-    """Mean accuracy and the half-width of its 95% interval: seed spread and item error combined
-    (``harness.reporting.stats.score_ci``)."""
-    return score_ci(values, stderrs)
 
 
 # Accuracy of guessing uniformly among a task's choices, by lm-eval task name (the offline suite's prefix dropped).
@@ -285,7 +279,7 @@ def downstream_table(ctx: Context) -> Table:
         shown = {"Setting": setting, "Variant": variant, "Seeds": str(row["seeds"])}
         for task in tasks:
             cell = mine[mine["task"] == task]
-            mean, half, kind = score_interval(list(cell["value"]), list(cell["stderr"]))
+            mean, half, kind = score_ci(list(cell["value"]), list(cell["stderr"]))
             kinds.add(kind)
             row[task], row[f"{task}_ci95"] = mean, half
             shown[task] = _pct(mean, half)
@@ -297,7 +291,7 @@ def downstream_table(ctx: Context) -> Table:
         # Tasks draw independent items: the average's item error is the root sum of squares over T tasks, / T.
         item_error = np.sqrt((errors.loc[complete.index] ** 2).sum(axis=1, min_count=len(tasks))) / len(tasks)
         avg, avg_half, kind = (
-            score_interval(list(complete.mean(axis=1)), list(item_error)) if len(complete) else (math.nan, math.nan, "")
+            score_ci(list(complete.mean(axis=1)), list(item_error)) if len(complete) else (math.nan, math.nan, "")
         )
         kinds.add(kind)
         row["average"], row["average_ci95"] = avg, avg_half
