@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tarfile
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pandas as pd
@@ -17,7 +17,7 @@ from test_report import _write_run
 from harness.cli import main as cli_main
 from harness.errors import UsageError
 from harness.reporting import archive
-from harness.reporting.report import report
+from harness.reporting.report import report, resolve_target
 from harness.reporting.results import aggregate, load_sweep
 from harness.reporting.tuning import read_tuning
 
@@ -178,10 +178,6 @@ def test_a_cut_archive_keeps_the_runs_before_the_cut_and_says_so(sweep_dir, tmp_
 )
 def test_committed_reference_tables_come_from_their_committed_archive(tmp_path, monkeypatch, grid, folder):
     """Each committed reference report's tables are what the report code makes of its committed run archive."""
-    from pathlib import Path
-
-    from harness.reporting.report import resolve_target
-
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)  # the grid names its archive relative to the repository
     source, spec = resolve_target(grid)

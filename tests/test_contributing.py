@@ -167,3 +167,12 @@ def test_recipe_3_the_recipe_code_registers_a_figure(tmp_path):
         items._ITEMS.clear()
         items._ITEMS.update(before)
     assert "from harness.reporting import items, report; print(items.listing())" in section("Recipe 3")
+
+
+def test_the_readmes_python_example_runs_as_its_comment_says():
+    code = code_block((ROOT / "README.md").read_text(), "python")
+    assert "cfg.variant.config.groups  # 8" in code
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["cfg"].variant.config.groups == 8 and str(namespace["cfg"].variant) == "ldm-rls(groups=8)"
+    assert namespace["model"].mixer.cfg is namespace["cfg"].variant.config
