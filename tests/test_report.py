@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import numpy as np
 import pandas as pd
@@ -123,9 +122,9 @@ def _write_run(folder, variant, seed, state, message, rng):
 
 
 @pytest.fixture(scope="module")
-def sweep_tree(tmp_path_factory):
-    """A results tree of known numbers (fresh random per session), its bench CSV, and the expected finals."""
-    seed = int.from_bytes(os.urandom(4), "little")
+def sweep_tree(tmp_path_factory, module_seed):
+    """A results tree of known numbers (random, from the module's seed), its bench CSV, and the expected finals."""
+    seed = module_seed
     rng = np.random.default_rng(seed)
     root = tmp_path_factory.mktemp(f"results-seed{seed}") / "synthetic"
     finals: dict[str, list[dict]] = {}

@@ -10,8 +10,8 @@ from scipy import stats as sps
 from harness.reporting.stats import ONE_SEED, PAIRED, WELCH, compare, holm, mean_ci, score_ci, welch_ci
 
 
-def test_paired_interval_is_the_t_interval_of_per_seed_differences():
-    rng = np.random.default_rng()
+def test_paired_interval_is_the_t_interval_of_per_seed_differences(rng_seed):
+    rng = np.random.default_rng(rng_seed)
     seeds = [0, 1, 2, 3, 4]
     ref = {s: float(v) for s, v in zip(seeds, rng.normal(3.0, 0.2, 5))}
     # A shared per-seed offset: pairing removes it, so the paired interval is much tighter than Welch's.
@@ -26,8 +26,8 @@ def test_paired_interval_is_the_t_interval_of_per_seed_differences():
     assert c.high - c.low < (welch.high - welch.low) / 3
 
 
-def test_unshared_seeds_use_welch_as_scipy_computes_it():
-    rng = np.random.default_rng()
+def test_unshared_seeds_use_welch_as_scipy_computes_it(rng_seed):
+    rng = np.random.default_rng(rng_seed)
     ref = {s: float(v) for s, v in zip(range(4), rng.normal(3.0, 0.2, 4))}
     other = {s: float(v) for s, v in zip(range(10, 13), rng.normal(2.9, 0.3, 3))}
     c = compare(ref, other)
@@ -44,15 +44,15 @@ def test_one_seed_has_no_interval():
     assert c.delta == pytest.approx(-0.1)
 
 
-def test_mean_ci_matches_scipy():
-    x = np.random.default_rng().normal(1.0, 0.5, 7)
+def test_mean_ci_matches_scipy(rng_seed):
+    x = np.random.default_rng(rng_seed).normal(1.0, 0.5, 7)
     mean, half, n = mean_ci(x)
     lo, hi = sps.t.interval(0.95, len(x) - 1, loc=x.mean(), scale=sps.sem(x))
     assert n == 7 and mean == pytest.approx(x.mean()) and half == pytest.approx((hi - lo) / 2)
 
 
-def test_p_values_are_scipys_paired_and_welch_tests():
-    rng = np.random.default_rng()
+def test_p_values_are_scipys_paired_and_welch_tests(rng_seed):
+    rng = np.random.default_rng(rng_seed)
     ref = {s: float(v) for s, v in zip(range(5), rng.normal(3.0, 0.2, 5))}
     other = {s: ref[s] - 0.03 + float(rng.normal(0, 0.02)) for s in range(5)}
     c = compare(ref, other)
@@ -81,8 +81,8 @@ def test_partly_shared_seeds_are_paired_on_the_shared_ones_and_flagged():
     assert c.p == pytest.approx(sps.ttest_rel([2.9, 3.0], [3.0, 3.2]).pvalue, rel=1e-9)
 
 
-def test_holm_matches_the_step_down_procedure():
-    rng = np.random.default_rng()
+def test_holm_matches_the_step_down_procedure(rng_seed):
+    rng = np.random.default_rng(rng_seed)
     for m in (1, 2, 5, 12):
         p = rng.uniform(0, 0.2, m) ** 2
         adjusted = holm(p)
