@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from variants.kernels import tiles
 from variants.kernels.tiles import row_tile
 
-BLOCK_ROWS = 32
+PER_THREAD = 4  # elements of each tile per thread: one 16-byte load of float32
 
 
 @triton.jit
@@ -52,22 +53,24 @@ def _backward(
     tl.store(DQ + rows[:, None] * KD + ok[None, :], dq, mask=qmask)
 
 
-def _meta(q, keys, values) -> dict:
-    R, n, KD = keys.shape
-    VD = values.shape[-1]
-    return dict(
-        grid=(triton.cdiv(R, BLOCK_ROWS),),
-        sizes=(R, n, KD, VD),
-        blocks=dict(BLOCK_R=BLOCK_ROWS, BLOCK_K=triton.next_power_of_2(KD), BLOCK_V=triton.next_power_of_2(VD)),
-    )
+def launch(R: int, n: int, KD: int, VD: int) -> tuple[tuple[int], tuple[int, ...], dict]:
+    """The grid, the sizes and the tile (constexprs and warps) of both kernels for ``R`` rows of ``n`` writes."""
+    BLOCK_K, BLOCK_V = triton.next_power_of_2(KD), triton.next_power_of_2(VD)
+    BLOCK_R = tiles.rows_per_program(max(BLOCK_K, BLOCK_V), PER_THREAD)
+    blocks = dict(BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=tiles.WARPS)
+    return (triton.cdiv(R, BLOCK_R),), (R, n, KD, VD), blocks
+
+
+def _launch(keys, values):
+    return launch(*keys.shape, values.shape[-1])
 
 
 @torch.library.custom_op("depthmem::depth_read", mutates_args=())
 def depth_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``naive.depth_read`` by the forward kernel; contiguous inputs of one dtype."""
-    meta = _meta(q, keys, values)
+    grid, sizes, blocks = _launch(keys, values)
     m = values.new_empty(keys.shape[0], values.shape[-1])
-    _forward[meta["grid"]](q, keys, values, m, *meta["sizes"], **meta["blocks"])
+    _forward[grid](q, keys, values, m, *sizes, **blocks)
     return m
 
 
@@ -80,9 +83,9 @@ def _(q, keys, values):
 def depth_read_backward(
     dm: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    meta = _meta(q, keys, values)
+    grid, sizes, blocks = _launch(keys, values)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(keys), torch.empty_like(values)
-    _backward[meta["grid"]](q, keys, values, dm.contiguous(), dq, dk, dv, *meta["sizes"], **meta["blocks"])
+    _backward[grid](q, keys, values, dm.contiguous(), dq, dk, dv, *sizes, **blocks)
     return dq, dk, dv
 
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from variants.kernels import tiles
+
 BLOCK_ROWS = 16
 
 
@@ -68,15 +70,17 @@ def _backward(L, DM, DL, SCRATCH, R, N, ITERS, BLOCK_R: tl.constexpr, BLOCK_N: t
     tl.store(DL + at, dm * e, mask=mask)
 
 
-def _launch(R: int, n: int) -> tuple[tuple[int], dict]:
-    return (triton.cdiv(R, BLOCK_ROWS),), dict(BLOCK_R=BLOCK_ROWS, BLOCK_N=max(2, triton.next_power_of_2(n)))
+def launch(R: int, n: int) -> tuple[tuple[int], dict]:
+    """The grid and the tile (constexprs and warps) of both kernels for ``R`` matrices of ``n``×``n``."""
+    blocks = dict(BLOCK_R=BLOCK_ROWS, BLOCK_N=max(2, triton.next_power_of_2(n)), num_warps=tiles.WARPS)
+    return (triton.cdiv(R, BLOCK_ROWS),), blocks
 
 
 @torch.library.custom_op("depthmem::sinkhorn", mutates_args=())
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """``naive.sinkhorn`` by the forward kernel."""
     R, n, _ = logits.shape
-    grid, blocks = _launch(R, n)
+    grid, blocks = launch(R, n)
     m = torch.empty_like(logits)
     _forward[grid](logits, m, R, n, iters, **blocks)
     return m
@@ -90,8 +94,8 @@ def _(logits, iters):
 @torch.library.custom_op("depthmem::sinkhorn_backward", mutates_args=())
 def sinkhorn_backward(dm: torch.Tensor, logits: torch.Tensor, iters: int) -> torch.Tensor:
     R, n, _ = logits.shape
-    grid, blocks = _launch(R, n)
-    scratch = logits.new_empty(grid[0] * BLOCK_ROWS, 2 * iters, blocks["BLOCK_N"])
+    grid, blocks = launch(R, n)
+    scratch = logits.new_empty(grid[0] * blocks["BLOCK_R"], 2 * iters, blocks["BLOCK_N"])
     dl = torch.empty_like(logits)
     _backward[grid](logits, dm.contiguous(), dl, scratch, R, n, iters, **blocks)
     return dl

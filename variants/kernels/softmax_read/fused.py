@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_ROWS = 8
+from variants.kernels import tiles
+
+PER_THREAD = 8  # elements of each (rows, width) tile per thread: two rows of a GPT-2 width at eight warps
 
 
 @triton.jit
@@ -68,18 +70,21 @@ def _backward(V, W, A, LSE, DA, DV, DW, R, S, D, eps, BLOCK_R: tl.constexpr, BLO
     tl.store(DW + pid * D + od, dw, mask=od < D)
 
 
-def _launch(R: int, D: int) -> tuple[tuple[int], dict]:
+def launch(R: int, D: int) -> tuple[tuple[int], dict]:
+    """The grid and the tile (constexprs and warps) of both kernels for ``R`` rows of width ``D``."""
     block = triton.next_power_of_2(D)
-    # A tile of 8 rows of a whole model width: more warps share it at GPT-2 widths than the default four.
-    warps = 8 if block >= 1024 else 4
-    return (triton.cdiv(R, BLOCK_ROWS),), dict(BLOCK_R=BLOCK_ROWS, BLOCK_D=block, num_warps=warps)
+    # A whole model width per row: more warps share it at GPT-2 widths than the default four, so that a program
+    # takes two rows (the fewer rows, the larger the per-program partial sums of ∂w that backward writes).
+    warps = 2 * tiles.WARPS if block >= 1024 else tiles.WARPS
+    rows = tiles.rows_per_program(block, PER_THREAD, warps)
+    return (triton.cdiv(R, rows),), dict(BLOCK_R=rows, BLOCK_D=block, num_warps=warps)
 
 
 @torch.library.custom_op("depthmem::softmax_read", mutates_args=())
 def softmax_read(values: torch.Tensor, query: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``naive.softmax_read`` by the forward kernel, and the log-sum-exp of each row's logits."""
     R, S, D = values.shape
-    grid, blocks = _launch(R, D)
+    grid, blocks = launch(R, D)
     a, lse = values.new_empty(R, D), values.new_empty(R)
     _forward[grid](values, query, a, lse, R, S, D, eps, **blocks)
     return a, lse
@@ -96,7 +101,7 @@ def softmax_read_backward(
     da: torch.Tensor, values: torch.Tensor, query: torch.Tensor, a: torch.Tensor, lse: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     R, S, D = values.shape
-    grid, blocks = _launch(R, D)
+    grid, blocks = launch(R, D)
     dv, dw = torch.empty_like(values), values.new_empty(grid[0], D)
     _backward[grid](values, query, a, lse, da.contiguous(), dv, dw, R, S, D, eps, **blocks)
     return dv, dw.sum(0)

@@ -15,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from variants.kernels import tiles
 from variants.kernels.tiles import row_tile
 
-BLOCK_ROWS = 32
+PER_THREAD = 4  # elements of each tile per thread: one 16-byte load of float32
 
 
 @triton.jit
@@ -81,11 +82,16 @@ def _backward(
     tl.store(DV0 + at_v, dvr, mask=vmask)
 
 
-def _launch(keys: torch.Tensor, values: torch.Tensor) -> tuple[tuple[int], tuple[int, ...], dict]:
-    R, n, KD = keys.shape
-    VD = values.shape[-1]
-    blocks = dict(BLOCK_R=BLOCK_ROWS, BLOCK_K=triton.next_power_of_2(KD), BLOCK_V=triton.next_power_of_2(VD))
-    return (triton.cdiv(R, BLOCK_ROWS),), (R, n, KD, VD), blocks
+def launch(R: int, n: int, KD: int, VD: int) -> tuple[tuple[int], tuple[int, ...], dict]:
+    """The grid, the sizes and the tile (constexprs and warps) of both kernels for ``R`` rows of ``n`` writes."""
+    BLOCK_K, BLOCK_V = triton.next_power_of_2(KD), triton.next_power_of_2(VD)
+    BLOCK_R = tiles.rows_per_program(max(BLOCK_K, BLOCK_V), PER_THREAD)
+    blocks = dict(BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=tiles.WARPS)
+    return (triton.cdiv(R, BLOCK_R),), (R, n, KD, VD), blocks
+
+
+def _launch(keys, values):
+    return launch(*keys.shape, values.shape[-1])
 
 
 @torch.library.custom_op("depthmem::whiten", mutates_args=())
