@@ -57,6 +57,9 @@ def _backward(L, DM, DL, SCRATCH, R, N, ITERS, BLOCK_R: tl.constexpr, BLOCK_N: t
         s = tl.where(s == 0.0, 1.0, s)
         tl.store(SCRATCH + at_s + (2 * it + 1) * BLOCK_N, s)
         m = m / s[:, :, None]
+    # The normalizers were stored in the sums' layout and are read back in the matrix's: a row's are stored by
+    # one warp and loaded by another, which must wait until they are in memory.
+    tl.debug_barrier()
     dm = tl.load(DM + at, mask=mask, other=0.0)
     for back in range(ITERS):
         it = ITERS - 1 - back
