@@ -3,6 +3,7 @@ value columns, and their masks."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -19,6 +20,12 @@ def rows_per_program(width: int, per_thread: int, warps: int = WARPS) -> int:
     registers at four warps without spilling (four programs of 128 threads on an SM), as
     ``python -m variants.kernels.registers`` measures on the compiled kernels."""
     return max(1, min(MAX_ROWS, per_thread * 32 * warps // width))
+
+
+def compute_dtype(*inputs: torch.Tensor) -> tl.dtype:
+    """What a kernel computes in for these inputs: float64 where any is float64, else float32 (bfloat16 and
+    float16 inputs, such as state kept in bfloat16 under autocast, are widened as they are loaded)."""
+    return tl.float64 if any(t.dtype == torch.float64 for t in inputs) else tl.float32
 
 
 @triton.jit
