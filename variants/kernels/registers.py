@@ -7,8 +7,9 @@ launch. The registers per thread and the spills are read from the compiled cubin
 ``cuobjdump``. A kernel fits when it spills nothing and an SM holds at least ``MIN_WARPS_PER_SM`` of its warps
 (4 programs of 4 warps).
 
-    python -m variants.kernels.registers          # the table of docs/benchmarks.md
-    python -m variants.kernels.registers --json   # one object per compilation
+    python -m variants.kernels.registers                    # the table of docs/benchmarks.md
+    python -m variants.kernels.registers --state bfloat16   # the stored state in bfloat16 (repeatable)
+    python -m variants.kernels.registers --json             # one object per compilation
 
 Run with ``TRITON_INTERPRET`` unset: under the interpreter ``triton.jit`` gives functions that cannot be compiled.
 """
@@ -39,6 +40,7 @@ MAX_WARPS_PER_SM = 64
 MAX_PROGRAMS_PER_SM = 32
 SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024}  # bytes a program may claim, less 1 KiB reserved per program
 MIN_WARPS_PER_SM = 16
+STATES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class Usage:
     kernel: str
     arch: int
     shape: str
+    state: str
     warps: int
     registers: int
     spill_bytes: int
@@ -90,24 +93,27 @@ class Usage:
         return self.spill_bytes == 0 and self.programs_per_sm * self.warps >= MIN_WARPS_PER_SM
 
 
-def launches(shape: Shape, dtype: torch.dtype = torch.float32):
+def launches(shape: Shape, state: torch.dtype = torch.float32):
     """``(name, kernel, args, launch options)`` of every kernel as the models call it at ``shape``: the last
-    sublayer's read, over all the writes (``n``) or sources (``S``) before it; pointers stand in by their dtype."""
-    p, flags = MockTensor(dtype), MockTensor(torch.int8)
+    sublayer's read, over all the writes (``n``) or sources (``S``) before it, with the stored writes, sources and
+    mHC's logits in ``state`` and everything else in float32; pointers stand in by their dtype."""
+    p, s, flags = MockTensor(torch.float32), MockTensor(state), MockTensor(torch.int8)
     rows, width, n = shape.tokens * shape.groups, shape.d_model // shape.groups, shape.sublayers
     _, sizes, tile = depth_read.launch(rows, n, width, width)
-    yield "depth_read._forward", depth_read._forward, (p,) * 4 + sizes, tile
-    yield "depth_read._backward", depth_read._backward, (p,) * 7 + sizes, tile
+    yield "depth_read._forward", depth_read._forward, (p, s, s, p) + sizes, tile
+    yield "depth_read._backward", depth_read._backward, (p, s, s, p, p, s, s) + sizes, tile
     _, sizes, tile = whiten.launch(rows, n, width, width)
-    yield "whiten._forward", whiten._forward, (p,) * 8 + (flags, p) + sizes, tile
-    yield "whiten._backward", whiten._backward, (p,) * 6 + (flags,) + (p,) * 7 + sizes, tile
+    yield "whiten._forward", whiten._forward, (p, p, p, s, s, p, p, p, flags, p) + sizes, tile
+    args = (p, s, s, p, p, p, flags, p, p, p, p, p, s, s) + sizes
+    yield "whiten._backward", whiten._backward, args, tile
     R, S, D = shape.tokens, n + 1, shape.d_model
     _, tile = softmax_read.launch(R, D)
-    yield "softmax_read._forward", softmax_read._forward, (p,) * 4 + (R, S, D, 1e-6), tile
-    yield "softmax_read._backward", softmax_read._backward, (p,) * 7 + (R, S, D, 1e-6), tile
+    yield "softmax_read._forward", softmax_read._forward, (s, p, p, p, R, S, D, 1e-6), tile
+    yield "softmax_read._backward", softmax_read._backward, (s, p, p, p, p, s, p, R, S, D, 1e-6), tile
+    sizes = (shape.tokens, shape.streams, shape.sinkhorn_iters)
     _, tile = sinkhorn.launch(shape.tokens, shape.streams)
-    yield "sinkhorn._forward", sinkhorn._forward, (p,) * 2 + (shape.tokens, shape.streams, shape.sinkhorn_iters), tile
-    yield "sinkhorn._backward", sinkhorn._backward, (p,) * 4 + (shape.tokens, shape.streams, shape.sinkhorn_iters), tile
+    yield "sinkhorn._forward", sinkhorn._forward, (s, s) + sizes, tile
+    yield "sinkhorn._backward", sinkhorn._backward, (s, s, s, p) + sizes, tile
 
 
 def compile_for(kernel, args: tuple, tile: dict, arch: int):
@@ -137,26 +143,29 @@ def resources(cubin: bytes) -> tuple[int, int]:
     return int(registers), int(stack) + int(local)
 
 
-def usage(shapes=SHAPES, archs=ARCHS, dtype: torch.dtype = torch.float32) -> list[Usage]:
+def usage(shapes=SHAPES, archs=ARCHS, states=(torch.float32,)) -> list[Usage]:
     rows = []
-    for shape in shapes:
-        for name, kernel, args, tile in launches(shape, dtype):
-            for arch in archs:
-                compiled = compile_for(kernel, args, tile, arch)
-                registers, spill = resources(compiled.asm["cubin"])
-                warps = compiled.metadata.num_warps
-                rows.append(Usage(name, arch, shape.name, warps, registers, spill, compiled.metadata.shared))
+    for state in states:
+        for shape in shapes:
+            for name, kernel, args, tile in launches(shape, state):
+                for arch in archs:
+                    compiled = compile_for(kernel, args, tile, arch)
+                    registers, spill = resources(compiled.asm["cubin"])
+                    meta = compiled.metadata
+                    state_name = str(state).removeprefix("torch.")
+                    row = Usage(name, arch, shape.name, state_name, meta.num_warps, registers, spill, meta.shared)
+                    rows.append(row)
     return rows
 
 
 def table(rows: list[Usage]) -> str:
     lines = [
-        "| kernel | arch | shape | warps | registers | spill bytes | programs/SM |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| kernel | arch | shape | state | warps | registers | spill bytes | programs/SM |",
+        "|---|---|---|---|---:|---:|---:|---:|",
     ]
     for u in rows:
         lines.append(
-            f"| `{u.kernel}` | sm_{u.arch} | {u.shape} | {u.warps} | {u.registers} | {u.spill_bytes} | "
+            f"| `{u.kernel}` | sm_{u.arch} | {u.shape} | {u.state} | {u.warps} | {u.registers} | {u.spill_bytes} | "
             f"{u.programs_per_sm} |"
         )
     return "\n".join(lines)
@@ -165,8 +174,14 @@ def table(rows: list[Usage]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per compilation instead of the table")
+    parser.add_argument(
+        "--state",
+        action="append",
+        choices=sorted(STATES),
+        help="dtype of the stored writes, sources and logits (repeat for several; default float32)",
+    )
     opts = parser.parse_args(argv)
-    rows = usage()
+    rows = usage(states=[STATES[name] for name in opts.state or ["float32"]])
     if opts.json:
         print(json.dumps([dict(asdict(u), programs_per_sm=u.programs_per_sm, fits=u.fits) for u in rows]))
     else:
