@@ -82,6 +82,12 @@ def active(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in DTYPES for t in tensors) and runs_on(tensors[0].device)
 
 
+def compute_dtype(*inputs: torch.Tensor) -> torch.dtype:
+    """What the kernels compute in for these inputs: float64 where any is float64, else float32 (bfloat16 and
+    float16 inputs, such as state kept in bfloat16 under autocast, are widened as they are loaded)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in inputs) else torch.float32
+
+
 def result_dtype(*inputs: torch.Tensor) -> torch.dtype:
     """The dtype of a kernel's output from these inputs: the one PyTorch gives them together."""
     out = inputs[0].dtype

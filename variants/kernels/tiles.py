@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from variants import kernels
+
 WARPS = 4
 MAX_ROWS = 32
 
@@ -23,9 +25,8 @@ def rows_per_program(width: int, per_thread: int, warps: int = WARPS) -> int:
 
 
 def compute_dtype(*inputs: torch.Tensor) -> tl.dtype:
-    """What a kernel computes in for these inputs: float64 where any is float64, else float32 (bfloat16 and
-    float16 inputs, such as state kept in bfloat16 under autocast, are widened as they are loaded)."""
-    return tl.float64 if any(t.dtype == torch.float64 for t in inputs) else tl.float32
+    """``variants.kernels.compute_dtype`` as the kernels' ``ACC``."""
+    return tl.float64 if kernels.compute_dtype(*inputs) == torch.float64 else tl.float32
 
 
 @triton.jit

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from variants import kernels
 from variants.kernels import tiles
 
 BLOCK_ROWS = 16
@@ -103,7 +104,7 @@ def _(logits, iters):
 def sinkhorn_backward(dm: torch.Tensor, logits: torch.Tensor, iters: int) -> torch.Tensor:
     R, n, _ = logits.shape
     grid, blocks = launch(R, n, tiles.compute_dtype(logits))
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = kernels.compute_dtype(logits)
     scratch = logits.new_empty(grid[0] * blocks["BLOCK_R"], 2 * iters, blocks["BLOCK_N"], dtype=acc)
     dl = torch.empty_like(logits)
     _backward[grid](logits, dm.contiguous(), dl, scratch, R, n, iters, **blocks)

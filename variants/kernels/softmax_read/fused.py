@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from variants import kernels
 from variants.kernels import tiles
 
 PER_THREAD = 8  # elements of each (rows, width) tile per thread: two rows of a GPT-2 width at eight warps
@@ -90,7 +91,7 @@ def _outputs(values, query):
     """Empty read and log-sum-exp for these inputs, both in the dtype the kernel computes in: backward reads the
     read again, which must not carry a bfloat16 rounding into the gradients."""
     R, _, D = values.shape
-    acc = torch.float64 if torch.float64 in (values.dtype, query.dtype) else torch.float32
+    acc = kernels.compute_dtype(values, query)
     return values.new_empty(R, D, dtype=acc), values.new_empty(R, dtype=acc)
 
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from variants import kernels
 from variants.kernels import tiles
 from variants.kernels.tiles import row_tile
 
@@ -105,7 +106,7 @@ def _outputs(k, v, ridge, keys, values):
     mask in the dtype the kernel computes in: backward reads ``k̃`` and ``ṽ`` again, which must not carry a
     bfloat16 rounding into the gradients."""
     inputs = (k, v, ridge, keys, values)
-    acc = torch.float64 if any(t.dtype == torch.float64 for t in inputs) else torch.float32
+    acc = kernels.compute_dtype(*inputs)
     rows = k.shape[0]
     floored = torch.empty(rows, dtype=torch.int8, device=k.device)
     kt, vt = k.new_empty(k.shape, dtype=acc), v.new_empty(v.shape, dtype=acc)
