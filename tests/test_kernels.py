@@ -31,7 +31,13 @@ pytestmark = pytest.mark.skipif(
 # float32: a softmax over logits of tens (Gaussian queries against width-100 values up to five times their scale)
 # amplifies rounding by the logits' size, so its bound is looser than the sums' would need; a wrong kernel is off
 # by O(1).
-TOL = {torch.float32: 1e-4, torch.float64: 1e-12}
+# bfloat16: one unit in the last place of the largest entry. The inputs are bfloat16 already, so the float64
+# reference sees the very values the kernel does, and only the single rounding of a bfloat16 output or gradient
+# remains: half a unit on a card, a whole one in the interpreter, whose cast truncates.
+TOL = {torch.float32: 1e-4, torch.float64: 1e-12, torch.bfloat16: torch.finfo(torch.bfloat16).eps}
+# Where the state is bfloat16: the stored keys, values or sources alone, the query or the new write float32; or
+# every input bfloat16.
+STATES = {"bf16 state": torch.float32, "all bf16": torch.bfloat16}
 
 
 def _float64_grads(fn, inputs, g):
@@ -81,21 +87,26 @@ def test_softmax_read_equals_float64(rng_seed, dtype, rows, sources, width):
         _close(got, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("rows,writes,key,value", [(1, 0, 1, 1), (37, 5, 7, 11), (40, 9, 4, 48), (6, 2, 17, 3)])
-def test_whiten_equals_float64_floor_included(rng_seed, dtype, rows, writes, key, value):
-    k = torch.nn.functional.normalize(torch.randn(rows, key, dtype=dtype), dim=-1).requires_grad_()
-    v = torch.randn(rows, value, dtype=dtype, requires_grad=True)
-    ridge = (torch.rand(rows, dtype=dtype) + 0.05).requires_grad_()
+def _whiten_inputs(rows, writes, key, value, dtype, state_dtype):
+    """``k``, ``v``, ``ridge`` in ``dtype`` and the earlier writes in ``state_dtype``, all requiring gradients."""
+    k = torch.nn.functional.normalize(torch.randn(rows, key, dtype=dtype), dim=-1)
+    v = torch.randn(rows, value, dtype=dtype)
+    ridge = torch.rand(rows, dtype=dtype) + 0.05
     # Earlier writes of unit scale on odd rows: their projections exceed |k|² + d, so the floor holds there; small
     # ones on even rows, where it does not.
     scale = torch.where(torch.arange(rows) % 2 == 1, 1.5, 0.2).to(dtype)[:, None, None]
     keys = torch.randn(rows, writes, key, dtype=dtype) * scale
     if writes:  # an odd row's first earlier write is 3k: l² = 9 > |k|² + d, so the floor holds there whatever the draw
-        keys[1::2, 0] = 3 * k.detach()[1::2]
-    keys.requires_grad_()
-    values = torch.randn(rows, writes, value, dtype=dtype, requires_grad=True)
-    inputs = (k, v, ridge, keys, values)
+        keys[1::2, 0] = 3 * k[1::2]
+    values = torch.randn(rows, writes, value, dtype=dtype)
+    return tuple(t.requires_grad_() for t in (k, v, ridge, keys.to(state_dtype), values.to(state_dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,writes,key,value", [(1, 0, 1, 1), (37, 5, 7, 11), (40, 9, 4, 48), (6, 2, 17, 3)])
+def test_whiten_equals_float64_floor_included(rng_seed, dtype, rows, writes, key, value):
+    inputs = _whiten_inputs(rows, writes, key, value, dtype, dtype)
+    k, v, ridge, keys, values = inputs
     with kernels.mode("on"):
         kt, vt, margin = whiten(*inputs)
     gk, gv = torch.randn_like(kt), torch.randn_like(vt)
@@ -175,3 +186,62 @@ def test_models_agree_with_kernels_on_and_off(rng_seed, variant):
     assert len(on_grads) == len(off_grads)
     for a, b in zip(on_grads, off_grads):
         assert float((a - b).abs().max()) < 1e-12
+
+
+def _check_bf16(fn, naive, inputs, out_dtype):
+    """``fn`` (a kernel) on ``inputs`` against ``naive`` in float64 on the same values: its output in
+    ``out_dtype``, each gradient in its input's dtype, each within ``TOL`` of its dtype."""
+    with kernels.mode("on"):
+        out = fn(*inputs)
+    assert out.dtype == out_dtype
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, g)
+    want, want_grads = _float64_grads(naive, inputs, g)
+    _close(out, want, out.dtype)
+    for t, got, ref in zip(inputs, grads, want_grads):
+        assert got.dtype == t.dtype
+        _close(got, ref, got.dtype)
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_depth_read_of_bf16_state_equals_float64(rng_seed, state):
+    dtype = STATES[state]
+    q = torch.randn(37, 48, dtype=dtype, requires_grad=True)
+    keys = torch.randn(37, 13, 48, dtype=torch.bfloat16, requires_grad=True)
+    values = torch.randn(37, 13, 40, dtype=torch.bfloat16, requires_grad=True)
+    _check_bf16(depth_read, depth_naive.depth_read, (q, keys, values), dtype)
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_softmax_read_of_bf16_sources_equals_float64(rng_seed, state):
+    dtype = STATES[state]
+    values = (torch.randn(13, 25, 100) * torch.rand(13, 25, 1) * 5).bfloat16().requires_grad_()
+    query = torch.randn(100, dtype=dtype, requires_grad=True)
+    _check_bf16(
+        lambda v, w: softmax_read(v, w, 1e-6),
+        lambda v, w: softmax_naive.softmax_read(v, w, 1e-6),
+        (values, query),
+        dtype,
+    )
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_whiten_against_bf16_writes_equals_float64(rng_seed, state):
+    dtype = STATES[state]
+    inputs = _whiten_inputs(37, 5, 48, 40, dtype, torch.bfloat16)
+    with kernels.mode("on"):
+        kt, vt, margin = whiten(*inputs)
+    assert kt.dtype == vt.dtype == margin.dtype == dtype
+    gk, gv = torch.randn_like(kt), torch.randn_like(vt)
+    grads = torch.autograd.grad((kt, vt), inputs, (gk, gv))
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    kt64, vt64, margin64 = whiten_naive.whiten(*inputs64)
+    grads64 = torch.autograd.grad((kt64, vt64), inputs64, (gk.double(), gv.double()))
+    for got, want in zip((kt, vt, margin, *grads), (kt64, vt64, margin64, *grads64)):
+        _close(got, want.detach(), got.dtype)
+    assert [t.dtype for t in grads] == [t.dtype for t in inputs]
+
+
+def test_sinkhorn_of_bf16_logits_equals_float64(rng_seed):
+    logits = (torch.randn(33, 4, 4) * 2).bfloat16().requires_grad_()
+    _check_bf16(lambda x: sinkhorn(x, 20), lambda x: sinkhorn_naive.sinkhorn(x, 20), (logits,), torch.bfloat16)

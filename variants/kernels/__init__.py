@@ -72,6 +72,25 @@ def runs_on(device: torch.device) -> bool:
     return _mode == "on" and device.type == "cpu" and interpreting()
 
 
-def active(t: torch.Tensor) -> bool:
-    """Whether the fused kernels take tensors like ``t``: float32 or float64 on a device they run on."""
-    return t.dtype in (torch.float32, torch.float64) and runs_on(t.device)
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+"""What the kernels load (each input its own): they compute in float64 where an input is float64, else float32."""
+
+
+def active(*tensors: torch.Tensor) -> bool:
+    """Whether the fused kernels take tensors like ``tensors``: floating point of ``DTYPES`` on a device they
+    run on."""
+    return all(t.dtype in DTYPES for t in tensors) and runs_on(tensors[0].device)
+
+
+def compute_dtype(*inputs: torch.Tensor) -> torch.dtype:
+    """What the kernels compute in for these inputs: float64 where any is float64, else float32 (bfloat16 and
+    float16 inputs, such as state kept in bfloat16 under autocast, are widened as they are loaded)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in inputs) else torch.float32
+
+
+def result_dtype(*inputs: torch.Tensor) -> torch.dtype:
+    """The dtype of a kernel's output from these inputs: the one PyTorch gives them together."""
+    out = inputs[0].dtype
+    for t in inputs[1:]:
+        out = torch.promote_types(out, t.dtype)
+    return out
