@@ -22,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
 RECIPES = ("Recipe 1", "Recipe 2", "Recipe 3", "Recipe 4")
+RECIPE_IDS = ("mixer", "eval-task", "figure", "kernel")
 # Recipe 4's kernel is the write of recipe 1's mixer, so recipe 1 is applied first.
 BUILDS_ON = {"Recipe 4": ("Recipe 1",)}
 
@@ -147,7 +148,7 @@ def test_every_file_path_in_the_guide_exists():
             assert (ROOT / name.split("::")[0]).exists(), f"CONTRIBUTING.md names {name}, which does not exist"
 
 
-@pytest.mark.parametrize("title", RECIPES)
+@pytest.mark.parametrize("title", RECIPES, ids=RECIPE_IDS)
 def test_each_recipe_applies_to_a_copy_of_the_repository(title, tmp_path):
     tree = copy_of_the_repository(tmp_path)
     for earlier in BUILDS_ON.get(title, ()):
@@ -164,7 +165,7 @@ def test_patch_replaces_context_once_and_appends_bare_additions():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("title", RECIPES)
+@pytest.mark.parametrize("title", RECIPES, ids=RECIPE_IDS)
 def test_each_recipe_passes_its_checks_as_written(title, tmp_path):
     tree = copy_of_the_repository(tmp_path / "repo")
     for earlier in BUILDS_ON.get(title, ()):
