@@ -17,7 +17,7 @@ import importlib
 from harness.config import ModelConfig, RunConfig, build_config, load_config, model_preset
 from harness.errors import DepthmemError, RunFailed, UsageError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # name -> module that defines it; resolved on first attribute access (PEP 562).
 _LAZY = {

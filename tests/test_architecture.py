@@ -1,31 +1,17 @@
-"""The import graph of ``harness/`` and ``variants/``: no cycles, no import from a lower stage to a higher one, and
-no module over 500 lines.
+"""The import graph of ``harness/`` and ``variants/`` against the layout CONTRIBUTING.md writes down ("Where things
+live"): every top-level module placed in a layer, no import from a lower layer to a higher one, no cycles, and no
+module over 500 lines.
 
-Stages, highest first; a module may import from its own stage or any lower one. A module takes the stage of the
-longest prefix listed (``variants.errors`` sits with ``harness.errors``, not with the mixers)::
-
-    0  harness (the package's lazy facade), harness.cli
-    1  harness.commands
-    2  harness.sweeps
-    3  harness.benchmarks, harness.evaluation
-    4  harness.training, harness.reporting
-    5  harness.model, harness.rundir, harness.tracking, harness.preflight
-    6  harness.data, harness.config, variants
-    7  harness.io, harness.registry, harness.measure, harness.sbatch, harness.units, harness.yamltext,
-       variants.registry
-    8  harness.errors, variants.errors
-
-Run folders, tracking and pre-flight checks describe one run of a model, so they sit with the model; the
-configuration parses its variant against the registry of mixers (``variants.spec``), so it sits beside them; the
-small helpers that only parse, format or measure sit below.
-
-Imports inside functions count: a deferred import still ties the two modules together.
+The layout is read from CONTRIBUTING.md's table, so the page and this test cannot disagree. A module takes the
+layer of the longest name listed (``variants.errors`` has a row of its own; ``variants.preln`` falls under
+``variants``). Imports inside functions count: a deferred import still ties the two modules together.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,25 +21,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 500
 
-STAGES = [
-    ["harness", "harness.cli"],
-    ["harness.commands"],
-    ["harness.sweeps"],
-    ["harness.benchmarks", "harness.evaluation"],
-    ["harness.training", "harness.reporting"],
-    ["harness.model", "harness.rundir", "harness.tracking", "harness.preflight"],
-    ["harness.data", "harness.config", "variants"],
-    [
-        "harness.io",
-        "harness.registry",
-        "harness.measure",
-        "harness.sbatch",
-        "harness.units",
-        "harness.yamltext",
-        "variants.registry",
-    ],
-    ["harness.errors", "variants.errors"],
-]
+
+def written_layout(guide: str) -> dict[str, int]:
+    """Module -> layer from the table of CONTRIBUTING.md's "Where things live" (layer 1 is the highest)."""
+    start = guide.index("## Where things live")
+    end = guide.index("\n## ", start)
+    rows = re.findall(r"(?m)^\| (\d+) \| `([\w.]+)` \| .+ \|$", guide[start:end])
+    layout = {module: int(layer) for layer, module in rows}
+    assert len(layout) == len(rows), "CONTRIBUTING.md places a module twice"
+    return layout
+
+
+LAYOUT = written_layout((ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8"))
 
 CYCLE_EXEMPT: set[str] = set()  # none: a module here would be left out of the cycle check
 
@@ -102,15 +81,12 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     return graph
 
 
-def stage_of(module: str) -> int:
-    best, best_len = None, -1
-    for index, prefixes in enumerate(STAGES):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
-                best, best_len = index, len(prefix)
-    if best is None:
-        raise AssertionError(f"{module} has no stage: add it to STAGES")
-    return best
+def layer_of(module: str) -> int:
+    """The layer of ``module``: that of the longest name in the layout that is the module or a package above it."""
+    owners = [name for name in LAYOUT if module == name or module.startswith(name + ".")]
+    if not owners:
+        raise AssertionError(f"{module} has no layer: add it to the table in CONTRIBUTING.md, 'Where things live'")
+    return LAYOUT[max(owners, key=len)]
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -191,9 +167,29 @@ def test_variants_import_and_build_without_the_harness():
     assert done.returncode == 0, done.stderr
 
 
-def test_every_module_has_a_stage():
+def test_every_module_has_a_layer():
     for module in import_graph():
-        stage_of(module)
+        layer_of(module)
+
+
+def test_the_layout_names_every_top_level_module_but_the_mixers():
+    """Each top-level module of ``harness/`` and ``variants/`` has a row of its own, except the mixer modules,
+    which the row ``variants`` holds; and every row names a module that exists."""
+    import variants
+
+    top = {".".join(m.split(".")[:2]) for m in import_graph()}
+    mixers = {f"variants.{name}" for name in variants.MODULES}
+    assert top - mixers - set(LAYOUT) == set(), "modules without a row in CONTRIBUTING.md's layout"
+    assert set(LAYOUT) - top == set(), "rows of CONTRIBUTING.md's layout that name no module"
+    assert not mixers & set(LAYOUT), "a mixer module has a row of its own; the row `variants` holds them"
+
+
+def test_written_layout_reads_rows_and_refuses_a_module_placed_twice():
+    table = "| Layer | Module | What |\n|---|---|---|\n| 1 | `a` | x |\n| 2 | `a.b` | y |\n"
+    guide = f"## Where things live\n\n{table}\n## Next"
+    assert written_layout(guide) == {"a": 1, "a.b": 2}
+    with pytest.raises(AssertionError, match="twice"):
+        written_layout(guide.replace("`a.b`", "`a`"))
 
 
 def test_no_import_cycle():
@@ -202,12 +198,12 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_no_import_from_a_lower_stage_to_a_higher_one():
+def test_no_import_from_a_lower_layer_to_a_higher_one():
     upward = [
-        f"{module} (stage {stage_of(module)}) imports {target} (stage {stage_of(target)})"
+        f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
         for module, targets in sorted(import_graph().items())
         for target in sorted(targets)
-        if stage_of(target) < stage_of(module)
+        if layer_of(target) < layer_of(module)
     ]
     assert not upward, "\n".join(upward)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def test_suite_tasks_load_offline_with_expected_document_counts():
     loaded = manager.load(["offline", "offline_sciq"])
     tasks = loaded["tasks"]
     assert set(tasks) == set(TASKS) == set(EXPECTED_DOCS) | {"offline_shakespeare"}
-    assert len(EXPECTED_DOCS) == 10 and EXPECTED_DOCS["offline_hellaswag"] == 10042
+    assert EXPECTED_DOCS["offline_hellaswag"] == 10042
     assert set(loaded["group_map"]["offline"]) == set(SUITE_TASKS)
     assert "offline_sciq" not in SUITE_TASKS  # non-commercial license: opt-in only
     for name, count in EXPECTED_DOCS.items():
@@ -348,3 +349,18 @@ def test_the_task_index_is_built_once_per_setting():
     other = task_manager(["offline_copa"], {"val_fraction": 0.2})
     assert other is not first and other.metadata == {"val_fraction": 0.2}
     assert "offline_copa" in first.all_tasks
+
+
+def test_every_multiple_choice_task_has_a_chance_level():
+    """The downstream table's chance row needs the accuracy of guessing for each multiple-choice task."""
+    from harness.evaluation.tasks import TASKS_DIR
+    from harness.reporting.tables.comparisons import chance_level
+
+    def output_type(file: str) -> str:
+        text = (TASKS_DIR / file).read_text(encoding="utf-8")
+        own = re.search(r"(?m)^output_type: (\w+)", text)  # else the task's settings come from its include
+        return own.group(1) if own else output_type(re.search(r"(?m)^include: ([\w.]+)", text).group(1))
+
+    for name, meta in TASKS.items():
+        if output_type(meta["file"]) == "multiple_choice":
+            assert 0 < chance_level(name) < 1, f"{name} has no chance level in comparisons.CHANCE"

@@ -71,7 +71,7 @@ def test_status_of_a_hundred_runs_imports_no_heavy_library(tmp_path, by):
     assert imported and not [m for m in imported if m.split(".")[0] in HEAVY], sorted(imported)
     lines = done.stdout.splitlines()
     assert len(lines) == 1 + 100 + 1 and lines[-1] == "20 cancelled, 40 done, 20 failed, 20 interrupted"
-    # A generous bound for a loaded shared machine; docs/notes/benchmark-history.md has the measured time.
+    # A generous bound for a loaded shared machine; docs/notes/history.md has the measured time.
     assert elapsed < 10, elapsed
 
 
