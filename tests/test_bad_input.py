@@ -16,12 +16,15 @@ import shutil
 import stat
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 from cli_checks import TRAIN_ARGS, fails
 
 from harness.cli import main as cli_main
+from harness.model.checkpoint import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -387,12 +390,61 @@ def test_damaged_checkpoint_in_eval_and_resume(capsys, tmp_path, trained_run, ho
     run = _copy(trained_run, tmp_path / "run")
     _damage(run / "ckpt" / "last.ckpt", how)
     line = fails(capsys, ["eval", str(run), "--tasks", "offline_copa", "--limit", "2"])
-    assert "last.ckpt" in line and "truncated or corrupt" in line
+    assert "last.ckpt" in line and "does not match the checksum written when it was saved" in line
     # Resuming the same run: it is unfinished again, so training must read the damaged checkpoint.
     status = json.loads((run / "status.json").read_text())
     (run / "status.json").write_text(json.dumps({**status, "state": "failed"}))
     line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(run)])
-    assert "truncated or corrupt" in line and "--no-resume" in line
+    assert "does not match the checksum" in line and "--no-resume" in line
+    # A checkpoint saved before checksums were written is still read, and its damage is found by the reader.
+    (run / "ckpt" / "last.ckpt.sha256").unlink()
+    line = fails(capsys, ["eval", str(run), "--tasks", "offline_copa", "--limit", "2"])
+    assert "last.ckpt" in line and "truncated or corrupt" in line
+
+
+def _overwrite_inside_embedding(ckpt: Path) -> None:
+    """Overwrite bytes in the middle of the embedding's stored tensor: the zip stays readable (only its CRC, which
+    ``torch.load`` does not check, is wrong), so the weights would load as they are."""
+    with zipfile.ZipFile(ckpt) as z:
+        names = z.namelist()
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+        # torch.save stores tensors as data/<key> entries in the order it meets them; find the embedding's by size.
+        emb = next(v for k, v in state.items() if "embed" in k)
+        info = next(
+            i for i in z.infolist() if "/data/" in i.filename and i.file_size == emb.numel() * emb.element_size()
+        )
+        assert names and z.testzip() is None
+    data = bytearray(ckpt.read_bytes())
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + info.file_size // 2
+    data[start : start + 64] = random.randbytes(64)  # from the test's seed (conftest)
+    ckpt.write_bytes(bytes(data))
+    with zipfile.ZipFile(ckpt) as z:
+        assert z.testzip() is not None  # the damage the issue's reader could not see
+
+
+@pytest.mark.slow
+def test_bytes_changed_inside_a_checkpoint_are_named_and_the_previous_one_is_used(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DEPTHMEM_CACHE", str(tmp_path.parent / "depthmem-cache"))
+    run = tmp_path / "run"
+    # Saved at steps 2 and 4: the step-2 checkpoint is kept as the previous one.
+    assert (
+        cli_main(["train", *TRAIN_ARGS, "--max-steps", "4", "--set", "train.ckpt_every_steps=2", "--out", str(run)])
+        == 0
+    )
+    ckpt = run / "ckpt" / "last.ckpt"
+    assert (run / "ckpt" / "last.previous.ckpt").is_file()
+    _overwrite_inside_embedding(ckpt)
+    capsys.readouterr()
+    model, _, _ = load_model(run)  # the previous checkpoint, with a line naming the damaged one
+    out = capsys.readouterr().out
+    assert "last.ckpt" in out and "does not match the checksum" in out and "last.previous.ckpt" in out
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    previous = torch.load(run / "ckpt" / "last.previous.ckpt", map_location="cpu", weights_only=True)
+    assert previous["global_step"] == 2
+    # Without the previous one the damaged checkpoint is refused by name.
+    (run / "ckpt" / "last.previous.ckpt").unlink()
+    line = fails(capsys, ["export", str(run), "--hf", str(tmp_path / "hf")])
+    assert "last.ckpt" in line and "does not match the checksum" in line
 
 
 @pytest.mark.parametrize(

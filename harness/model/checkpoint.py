@@ -3,10 +3,15 @@ eval mode, its tokenizer and its config out.
 
 The config comes from the run directory's ``config.json`` when there is one (the checkpoint's own copy
 otherwise), so a checkpoint that does not fit the config it sits beside is reported rather than half loaded.
+
+Every checkpoint is written with its SHA-256 beside it (``last.ckpt.sha256``), and the checkpoint it replaces is kept
+as ``last.previous.ckpt``: bytes that change on disk after saving (a bad sector, a copy cut short, a stray write)
+are named at load, where ``torch.load`` would read them as weights, and the previous good checkpoint is used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import zipfile
@@ -19,7 +24,81 @@ from harness.config import RunConfig, build_config
 from harness.data import tokenizer as toklib
 from harness.data.corpus import get_tokenizer
 from harness.errors import UsageError
+from harness.io import atomic_write_bytes, atomic_write_text
 from harness.model.factory import build_model
+
+CHECKSUM_SUFFIX = ".sha256"
+
+
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def previous_path(path: Path) -> Path:
+    """Where the checkpoint that ``path`` replaced is kept: ``last.ckpt`` -> ``last.previous.ckpt``."""
+    return path.with_name(f"{path.stem}.previous{path.suffix}")
+
+
+def _recorded(path: Path) -> list[str]:
+    """The digests that ``path``'s checksum file allows (none without one: a checkpoint saved before checksums)."""
+    try:
+        return checksum_path(path).read_text().split()
+    except FileNotFoundError:
+        return []
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(path: str | os.PathLike) -> bool | None:
+    """Whether the checkpoint's bytes are the ones saved: True or False, None where no checksum was written."""
+    path = Path(path)
+    allowed = _recorded(path)
+    return _digest(path) in allowed if allowed else None
+
+
+def save_with_checksum(path: str | os.PathLike, data: bytes) -> None:
+    """Write checkpoint bytes atomically with their checksum, keeping the checkpoint they replace as the previous.
+
+    The checksum file lists the new digest beside the current one until the new bytes are in place, so a kill at
+    any point leaves a checkpoint that its checksum file accepts.
+    """
+    path = Path(path)
+    digest = hashlib.sha256(data).hexdigest()
+    current = _recorded(path)
+    if path.is_file():
+        previous = previous_path(path)
+        atomic_write_text(checksum_path(previous), "\n".join(current + _recorded(previous)) + "\n")
+        link = previous.with_name(f".{previous.name}.link")
+        link.unlink(missing_ok=True)
+        os.link(path, link)  # the old bytes stay where they are; only a second name is made
+        os.replace(link, previous)
+        atomic_write_text(checksum_path(previous), "\n".join(current) + "\n")
+    atomic_write_text(checksum_path(path), "\n".join([digest, *current]) + "\n")
+    atomic_write_bytes(path, data)
+    atomic_write_text(checksum_path(path), digest + "\n")
+
+
+def usable_checkpoint(path: str | os.PathLike, then: str = "train again") -> Path:
+    """``path`` if its bytes are the ones saved, else the previous checkpoint kept beside it if that one's are (with
+    a line saying so); a usage error naming the damaged file and what to do (``then``) where neither is."""
+    path = Path(path)
+    if verify(path) is not False:
+        return path
+    previous = previous_path(path)
+    damaged = (
+        f"The checkpoint {str(path)!r} does not match the checksum written when it was saved "
+        f"({checksum_path(path).name}): its bytes changed on disk after saving"
+    )
+    if previous.is_file() and verify(previous) is not False:
+        print(f"depthmem: {damaged}; using the previous checkpoint, {str(previous)!r}.", flush=True)
+        return previous
+    raise UsageError(f"{damaged}, and no earlier good checkpoint is kept beside it; {then}.")
 
 
 def check_not_sweep(path: Path) -> None:
@@ -48,7 +127,7 @@ def _locate(path: Path) -> tuple[Path, Path | None]:
                 f"The run directory {str(path)!r} has no checkpoint ckpt/last.ckpt: it has not trained "
                 "far enough to save one."
             )
-        return ckpt, path
+        return usable_checkpoint(ckpt), path
     if not path.is_file():
         raise UsageError(f"{str(path)!r} is neither a run directory nor a checkpoint file.")
     for candidate in (path.parent.parent, path.parent):
@@ -58,7 +137,14 @@ def _locate(path: Path) -> tuple[Path, Path | None]:
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict:
-    """The checkpoint dictionary (tensors on CPU), or a usage error when the file is truncated or corrupt."""
+    """The checkpoint dictionary (tensors on CPU), or a usage error when the file is truncated or corrupt or its bytes
+    are not the ones saved."""
+    if Path(path).is_file() and verify(path) is False:
+        raise UsageError(
+            f"The checkpoint {str(path)!r} does not match the checksum written when it was saved "
+            f"({checksum_path(Path(path)).name}): its bytes changed on disk after saving; use an earlier "
+            "checkpoint or train again."
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, PermissionError, IsADirectoryError):

@@ -22,9 +22,7 @@ from torch import nn
 
 from harness.config import RunConfig
 from harness.data import corpus as datalib
-from harness.io import (
-    atomic_write_bytes,
-)
+from harness.model.checkpoint import save_with_checksum
 from harness.model.diagnostics import layer_grad_norms
 from harness.training.budget import seq_len_of
 from harness.training.optim import (
@@ -41,12 +39,13 @@ from variants import kernels
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written through ``harness.io``: a kill mid-save leaves the previous checkpoint intact."""
+    """Checkpoints written atomically with their checksum, the one replaced kept beside (``harness.model.checkpoint``):
+    a kill mid-save leaves the previous checkpoint intact, and damage after saving is named at load."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         buf = io.BytesIO()
         torch.save(checkpoint, buf)
-        atomic_write_bytes(path, buf.getvalue())
+        save_with_checksum(path, buf.getvalue())
 
 
 class StepBatches(torch.utils.data.IterableDataset):

@@ -34,7 +34,7 @@ from harness.io import (
     remove_stale_temps,
 )
 from harness.model import diagnostics
-from harness.model.checkpoint import read_checkpoint
+from harness.model.checkpoint import read_checkpoint, usable_checkpoint
 from harness.model.factory import build_model
 from harness.training.budget import seq_len_of
 from harness.training.module import AtomicCheckpointIO, LitDecoder, StepBatches
@@ -289,10 +289,15 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         warnings.filterwarnings("ignore", noise)  # advice that does not apply to these runs
     model = build_model(cfg.model, cfg.variant)
     total = total_steps(cfg)
-    resume_from = ckpt_path if resume and ckpt_path.exists() else None
+    resume_from = None
+    if resume and ckpt_path.exists():
+        resume_from = usable_checkpoint(ckpt_path, then="start the run over with --no-resume")
     resume_step = 0
     if resume_from is not None:
         resume_step = _check_resumable(resume_from, cfg, model)
+        if resume_from != ckpt_path and rank0:
+            # Set the damaged bytes aside, so that the next save keeps the good checkpoint as the previous one.
+            os.replace(ckpt_path, ckpt_path.with_name(ckpt_path.name + ".damaged"))
     if rank0:
         remove_stale_temps(run_dir, run_dir / "ckpt")  # what a killed write of this run left behind
         # Weights and both AdamW moments in float32: the checkpoint's size, to the first digit.
