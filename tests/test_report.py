@@ -599,3 +599,15 @@ def test_downstream_intervals_keep_the_item_error_and_show_chance(tmp_path, rng_
     chance = table.display.set_index("Variant").loc["chance"]
     assert (chance["offline_copa"], chance["piqa"], chance["Average"]) == ("50.0", "50.0", "50.0")
     assert any("guessing uniformly" in n for n in table.notes)
+
+
+def test_a_last_line_cut_short_in_metrics_is_dropped_with_a_note(tmp_path, rng_seed):
+    folder = tmp_path / "sweep" / "preln" / "run-s0"
+    _write_run(folder, "preln", 0, "done", "", np.random.default_rng(rng_seed))
+    whole = (folder / "metrics.csv").read_bytes()
+    # Half of one more row: its step and a tokens_per_s of 15 that no step logged.
+    (folder / "metrics.csv").write_bytes(whole + b"50,50000,3.1,,,0.003,1.0,15")
+    sweep = load_sweep(tmp_path / "sweep")
+    (run,) = sweep.runs
+    assert list(run.metrics["step"]) == [0, 10, 20, 30, 40] and 15 not in set(run.metrics["tokens_per_s"])
+    assert any("Dropped the last line of preln/run-s0/metrics.csv: it was cut short." == n for n in sweep.notes)

@@ -138,8 +138,14 @@ def _read_json(source: FolderSource, rel: str, notes: list[str]) -> Any:
 
 def _read_csv(source: FolderSource, rel: str, notes: list[str], numeric: tuple[str, ...] = ()) -> pd.DataFrame | None:
     try:
+        data = source.read_bytes(rel)
         compression = "gzip" if rel.endswith(".gz") else None  # from bytes pandas cannot tell by the name
-        frame = pd.read_csv(io.BytesIO(source.read_bytes(rel)), on_bad_lines="skip", compression=compression)
+        if compression is None and data and not data.endswith(b"\n") and b"\n" in data:
+            # Rows are appended whole, newline included: a last line without one was cut short (a copy or a disk
+            # that stopped mid-write), and its fields would read as numbers that were never logged.
+            data = data[: data.rindex(b"\n") + 1]
+            notes.append(f"Dropped the last line of {rel}: it was cut short.")
+        frame = pd.read_csv(io.BytesIO(data), on_bad_lines="skip", compression=compression)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
