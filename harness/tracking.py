@@ -131,8 +131,11 @@ def _wandb(run_dir: Path, cfg: RunConfig, rows) -> None:
         config=cfg.to_dict(),
     )
     try:
+        # The step axis Lightning's W&B logger gives live runs, so backfilled and live runs line up.
+        run.define_metric("trainer/global_step")
+        run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
         for step, values in rows:
-            run.log(values, step=step)
+            run.log({**values, "trainer/global_step": step})
     finally:
         run.finish()
 

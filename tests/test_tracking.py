@@ -246,3 +246,44 @@ def test_a_job_log_carries_no_allocator_warning_from_the_memory_meter(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "CPUAllocator" not in done.stderr and "profiler results will not include" not in done.stderr
+
+
+def test_tensorboard_gets_each_metric_once_per_step_on_one_axis_before_and_after_a_resume(tmp_path):
+    import csv
+    import json
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = train(tiny("tensorboard", log_every_steps=1), tmp_path / "run")
+
+    def logged() -> dict[str, list[tuple[int, float]]]:
+        events = EventAccumulator(str(run / "tensorboard"))
+        events.Reload()
+        return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+    with open(run / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    first = logged()
+    assert "epoch" not in first
+    for tag in ("train_loss", "val_loss", "lr"):
+        want = [(int(r["step"]), float(r[tag])) for r in rows if r[tag]]
+        assert [s for s, _ in first[tag]] == [s for s, _ in want]  # once per step, on the optimizer's steps
+        assert [v for _, v in first[tag]] == pytest.approx([v for _, v in want], rel=1e-6)
+    # Back to the step-2 checkpoint, as after a kill there: steps 3 and 4 train and are logged again.
+    ckpt = run / "ckpt"
+    for suffix in ("", ".sha256"):
+        shutil.copy(ckpt / f"last.previous.ckpt{suffix}", ckpt / f"last.ckpt{suffix}")
+    status = json.loads((run / "status.json").read_text())
+    (run / "status.json").write_text(json.dumps({**status, "state": "failed"}))
+    train(tiny("tensorboard", log_every_steps=1), run)
+    again = logged()
+    assert set(again) == set(first)
+    for tag, points in again.items():
+        by_step: dict[int, set[float]] = {}
+        for step, value in points:
+            by_step.setdefault(step, set()).add(value)
+        assert sorted(by_step) == [s for s, _ in first[tag]]
+        if tag != "tokens_per_s":  # a clock's reading; every other metric replays exactly
+            # The resumed steps carry the values they had: one value per step, the same as before the resume.
+            assert all(len(values) == 1 for values in by_step.values()), tag

@@ -112,7 +112,9 @@ class LitDecoder(pl.LightningModule):
         logits = self.step_model(batch["x"])  # (b, t, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
         self._loss_sum = loss.detach() if int(batch["micro"]) == 0 else self._loss_sum + loss.detach()
-        self.log("train_loss", loss.detach(), prog_bar=True, batch_size=batch["x"].shape[0])
+        # The bar's alone: the loggers get each step's row once, from RunFiles, on the optimizer's step axis (Lightning
+        # would send the micro batch's loss again at step - 1, with an ``epoch`` series beside it).
+        self.log("train_loss", loss.detach(), prog_bar=True, logger=False, batch_size=batch["x"].shape[0])
         return loss
 
     def on_before_optimizer_step(self, optimizer):
