@@ -112,3 +112,13 @@ def test_the_figure_is_drawn_and_a_sweep_without_tuning_has_neither(tuned, tmp_p
     for fn in (lr_sensitivity_table, lr_neighbours_table, lr_sensitivity_figure):
         with pytest.raises(NoData):
             fn(Context(Sweep(root=empty, runs=[])))
+
+
+def test_a_claim_on_a_row_that_borrowed_its_rate_is_named(tuned):
+    from harness.reporting.sensitivity import untuned_claims
+
+    root, _ = tuned
+    claims = parse_claims({"primary": [{"variant": "ldm-rls", "against": "matched"}]}, "g.yaml")
+    assert untuned_claims(Context(Sweep(root=root, runs=[]), claims=claims)) == ["preln(match=ldm-rls) (rate of preln)"]
+    claims = parse_claims({"primary": [{"variant": "ldm-rls", "against": "preln"}]}, "g.yaml")
+    assert untuned_claims(Context(Sweep(root=root, runs=[]), claims=claims)) == []

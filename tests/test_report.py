@@ -421,7 +421,7 @@ def test_bad_input_is_one_sentence_naming_allowed_values(tmp_path, capsys, monke
     assert cli_main(["report", "no-such-sweep"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("depthmem: No sweep 'no-such-sweep'") and "\n" not in err
-    with pytest.raises(UsageError, match="Allowed: main, downstream, downstream_paired, ablations, cost, "):
+    with pytest.raises(UsageError, match="Allowed: main, downstream, downstream_paired, matched, ablations, cost, "):
         report_spec({"tables": ["mian"]})
     with pytest.raises(UsageError, match="Allowed keys"):
         report_spec({"figure": ["mixing"]})
