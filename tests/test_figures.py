@@ -490,9 +490,16 @@ def test_report_on_the_study_draws_every_figure_and_lists_the_registry(study, tm
     )
     bench.to_csv(tmp_path / "bench.csv", index=False)
     text = report(study["root"], out_dir=tmp_path / "out", bench=tmp_path / "bench.csv").read_text()
+    # The study has no tuning stage and no matched PreLN: only the items drawn from those are left out, with reasons.
     for name in report_items.names("figure"):
-        assert (tmp_path / "out" / "figures" / f"{name}.png").exists(), name
-    assert "## Not produced" not in text
+        assert (tmp_path / "out" / "figures" / f"{name}.png").exists() or name == "lr_sensitivity", name
+    left_out = text.split("## Not produced\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert sorted(left_out) == [
+        "- figure `lr_sensitivity`: no tuning.json with tuning runs (a grid with a tune section).",
+        "- table `lr_neighbours`: no tuning.json with tuning runs (a grid with a tune section).",
+        "- table `lr_sensitivity`: no tuning.json with tuning runs (a grid with a tune section).",
+        "- table `matched`: no variant ran beside its matched PreLN, preln(match=<variant>).",
+    ]
     # Every run finished: the list of runs left out is omitted, not printed empty.
     assert "Runs not counted" not in text and not (tmp_path / "out" / "tables" / "excluded_runs.csv").exists()
     tex = (tmp_path / "out" / "tables" / "main.tex").read_text()
@@ -627,5 +634,5 @@ def test_ablation_table_without_an_ablation_is_left_out_with_its_reason(tmp_path
     rng = np.random.default_rng(rng_seed)
     for s in (0, 1):
         write_run(tmp_path / f"ldm-rls-s{s}", "ldm-rls", s, _model(64, 2), rng, noise=rng.normal(0, 0.01))
-    with pytest.raises(NoData, match="no ablation of ldm-rls"):
+    with pytest.raises(NoData, match="no knob setting of ldm or ldm-rls"):
         tables.ablation_table(Context(load_sweep(tmp_path)))

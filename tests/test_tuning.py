@@ -169,10 +169,13 @@ def test_paper_dry_run_shows_the_tuning_stage_and_its_cost(capsys):
     assert main(["sweep", str(ROOT / "experiments" / "paper.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     head = out.splitlines()[0]
-    # every headline variant (eight at their defaults and three matched PreLNs) x 4 learning rates x 2 seeds
-    assert head.startswith("tuning stage: 88 run(s)") and "11 cell(s) x 4 value(s) of train.lr" in head
-    assert "(0.0005, 0.001, 0.002, 0.004) x seeds 0, 1" in head
-    assert "with tuning: 88 tuning run(s) (" in out and "main run(s)" in out and "GPU-h" in out
+    # every claimed row (eight variants at their defaults, three matched PreLNs, ten ablations) x 4 rates x 2 seeds
+    assert head.startswith("tuning stage: 168 run(s)") and "21 cell(s) x 4 value(s) of train.lr" in head
+    assert "(0.0005, 0.001, 0.002, 0.004) x seeds 100, 101" in head
+    tuned = {tuple(line.split()[1:3]) for line in out.splitlines() if "-tune-" in line}
+    assert {("preln(match=ldm-rls)", "100"), ("ldm(qk_source=read)", "101")} <= tuned
+    assert not {seed for _, seed in tuned} & {str(s) for s in range(5)}  # no evaluation seed tunes
+    assert "with tuning: 168 tuning run(s) (" in out and "main run(s)" in out and "GPU-h" in out
     assert "tuning: variant=ldm-rls(groups=1): train.lr from the choice of variant=ldm-rls" in out
     assert "after tuning" in out
 

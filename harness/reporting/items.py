@@ -94,6 +94,8 @@ class Context:
     baseline: str = "preln"
     ablation_reference: str = "ldm-rls"
     bench: pd.DataFrame | None = None
+    claims: list | None = None
+    """The grid's declared comparisons (``harness.reporting.claims``); None: one Holm family per table."""
     colours: dict[str, str] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
 

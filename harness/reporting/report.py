@@ -23,9 +23,11 @@ from harness.errors import UsageError, did_you_mean
 from harness.io import atomic_write_text, remove_stale_temps, writable_dir
 from harness.reporting import figures as figs
 from harness.reporting import items as report_items
+from harness.reporting import sensitivity  # noqa: F401  (registers the learning-rate sensitivity items)
 from harness.reporting import tables as tabs
 from harness.reporting import tuning as tuning_report
 from harness.reporting.archive import ARCHIVE_SUFFIXES, archive_stem, is_archive
+from harness.reporting.claims import parse_claims
 from harness.reporting.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
 
 TABLES = report_items.names("table")
@@ -51,9 +53,15 @@ class ReportSpec:
     baseline: str = "preln"
     """The variant every difference and ratio is taken against."""
     ablation_reference: str = "ldm-rls"
-    """The reference row of the LDM ablation table."""
+    """The reference of the ablations figure; it orders the ablation table's bases."""
     bench: str | None = None
     """A benchmark CSV; by default ``bench.csv`` in the sweep folder when it exists."""
+    primary: list | None = None
+    """The primary family: the comparisons the grid's verdicts rest on (``harness.reporting.claims``)."""
+    secondary: dict | None = None
+    """Secondary families by name, each a list of comparisons."""
+    claims: list | None = field(default=None, repr=False)
+    """Every declared comparison, parsed from ``primary`` and ``secondary``; None when the grid declares none."""
 
 
 def _names(value: Any, allowed: tuple[str, ...], key: str, source: str) -> list[str]:
@@ -81,9 +89,9 @@ def report_spec(section: dict[str, Any] | ReportSpec | None, source: str = "the 
     if not isinstance(section, dict):
         raise UsageError(
             f"The report section of {source} must be a mapping with keys "
-            f"{', '.join(f.name for f in fields(ReportSpec))}."
+            f"{', '.join(f.name for f in fields(ReportSpec) if f.name != 'claims')}."
         )
-    known = [f.name for f in fields(ReportSpec)]
+    known = [f.name for f in fields(ReportSpec) if f.name != "claims"]
     for key in section:
         if key not in known:
             raise UsageError(
@@ -102,6 +110,9 @@ def report_spec(section: dict[str, Any] | ReportSpec | None, source: str = "the 
         baseline=section.get("baseline") or "preln",
         ablation_reference=section.get("ablation_reference") or "ldm-rls",
         bench=section.get("bench"),
+        primary=section.get("primary"),
+        secondary=section.get("secondary"),
+        claims=parse_claims(section, source),
     )
 
 
@@ -201,6 +212,30 @@ def _table_section(table: tabs.Table, folder: Path, out_dir: Path) -> list[str]:
     ]
 
 
+def claims_section(ctx: report_items.Context) -> list[str]:
+    """The declared families and their sizes, or nothing for a grid that declares none."""
+    tests = tabs.declared(ctx)
+    if tests is None:
+        return []
+    lines = [
+        "## Claims",
+        "",
+        "The comparisons this grid declares, by family: Holm's procedure adjusts each p-value within its family "
+        "(the size counts one test per claim and setting with a Δ); a difference outside every family is shown "
+        "with its interval and no adjusted p. Downstream differences paired on items are a family of their own, "
+        "their table's.",
+        "",
+        *tabs.family_lines(tests),
+    ]
+    untuned = sensitivity.untuned_claims(ctx)
+    if untuned:
+        lines.append(
+            f"- ⚠ Not tuned, though a claim rests on them: {', '.join(untuned)}. Their Δ compares a tuned rate with "
+            "a borrowed one; add them to tune.variants."
+        )
+    return [*lines, ""]
+
+
 def report(
     sweep_dir: str | Path,
     *,
@@ -243,8 +278,14 @@ def report(
         [r.variant for r in sweep.runs] + (list(bench_frame["variant"]) if bench_frame is not None else [])
     )
     ctx = report_items.Context(
-        sweep, baseline=spec.baseline, ablation_reference=spec.ablation_reference, bench=bench_frame, colours=colours
+        sweep,
+        baseline=spec.baseline,
+        ablation_reference=spec.ablation_reference,
+        bench=bench_frame,
+        colours=colours,
+        claims=spec.claims,
     )
+    lines += claims_section(ctx)
     skipped: list[str] = []
     for item in report_items.items("table"):
         if not (item.always or item.name in spec.tables):

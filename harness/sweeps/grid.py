@@ -38,7 +38,7 @@ GRID_KEYS = (
     "tune",
     "report",
 )
-TUNE_KEYS = ("axis", "values", "select_on", "metric", "seeds", "variants")
+TUNE_KEYS = ("axis", "values", "select_on", "metric", "seeds", "variants", "allow_shared_seeds")
 TUNE_AXES = ("train.lr",)
 TUNE_SELECT_ON = ("tune_split",)
 TUNE_METRICS = ("val_loss",)
@@ -66,6 +66,9 @@ class Tune:
     """Seeds of the tuning runs; None means each cell's first seed in the grid."""
     variants: list[str] | None = None
     """The variants tuned; None means every one. Another variant takes its family's choice (see tuning.py)."""
+    allow_shared_seeds: bool = False
+    """Let ``seeds`` overlap the grid's evaluation seeds (refused otherwise: a rate chosen on a seed is then judged
+    on the same seed)."""
 
 
 @dataclass
@@ -196,6 +199,8 @@ def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str 
         tune=tune,
     )
     check_tune(grid)
+    check_tune_seeds(grid)
+    check_claims(grid, data.get("report"))
     return grid
 
 
@@ -246,7 +251,11 @@ def parse_tune(data: Any, source: str) -> Tune | None:
     variants = data.get("variants")
     if variants is not None:
         variants = [str(v) for v in _listed(variants, "variants", source, str, "variant names")]
+    shared = data.get("allow_shared_seeds", False)
+    if not isinstance(shared, bool):
+        raise UsageError(f"tune.allow_shared_seeds in {source} must be true or false, got {shared!r}.")
     return Tune(
+        allow_shared_seeds=shared,
         axis=axis,
         values=sorted(values),
         select_on=_one_of(data["select_on"], "select_on", TUNE_SELECT_ON, source),
@@ -294,6 +303,50 @@ def check_tune(grid: Grid) -> None:
                     f"tune.variants in {grid.source} names {v!r}, which the grid does not run; "
                     f"allowed: {', '.join(ran) or 'the variants of the grid'}."
                 )
+
+
+def evaluation_seeds(grid: Grid) -> set[int]:
+    """The seeds the grid's own runs train with (an axis, zip group or include, else the base's)."""
+    base_seed = nest(grid.base).get("train", {}).get("seed", RunConfig().train.seed)
+    return {int(c.get("train.seed", base_seed)) for c in combinations(grid)}
+
+
+def check_tune_seeds(grid: Grid) -> None:
+    """Refuse tuning seeds that are also evaluation seeds, unless ``tune.allow_shared_seeds`` says so."""
+    if grid.tune is None or grid.tune.seeds is None or grid.tune.allow_shared_seeds:
+        return
+    shared = sorted(set(grid.tune.seeds) & evaluation_seeds(grid))
+    if shared:
+        raise UsageError(
+            f"tune.seeds in {grid.source} shares the seed(s) {', '.join(map(str, shared))} with the grid's "
+            "evaluation runs; give tuning seeds of their own (e.g. [100, 101]) or set tune.allow_shared_seeds: true."
+        )
+
+
+def grid_variants(grid: Grid) -> list[str]:
+    """Every variant the grid runs, canonical, in file order."""
+    import variants
+
+    names = [str(v) for v in grid.axes.get("variant", [])] + [str(v) for g in grid.zips for v in g.get("variant", [])]
+    names += [str(e["variant"]) for e in grid.include if "variant" in e]
+    names = names or [str(grid.base.get("variant", "preln"))]
+    ran = []
+    for name in names:
+        try:
+            ran.append(str(variants.spec(name)))
+        except UsageError:
+            continue  # expanding the grid names a bad variant with the run it belongs to
+    return list(dict.fromkeys(ran))
+
+
+def check_claims(grid: Grid, report: Any) -> None:
+    """Parse the report's declared families (``report.primary``, ``report.secondary``) and refuse a claim about a
+    variant the grid does not run."""
+    from harness.reporting import claims
+
+    declared = claims.parse_claims(report, grid.source)
+    if declared is not None:
+        claims.check_claims_run(declared, grid_variants(grid), grid.source)
 
 
 def _baseline(report: Any, source: str) -> str:

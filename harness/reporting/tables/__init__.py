@@ -55,7 +55,9 @@ from harness.reporting.tables.comparisons import (
     downstream_table,
     main_table,
 )
+from harness.reporting.tables.families import Family, declared, family_lines, family_tests
 from harness.reporting.tables.paired_items import downstream_paired_table
+from harness.reporting.tables.matched import matched_table
 from harness.reporting.tables.ablations import ablation_table
 from harness.reporting.tables.accounting import (
     BENCH_COLUMNS,
@@ -104,6 +106,11 @@ __all__ = [
     "downstream_scores",
     "downstream_table",
     "downstream_paired_table",
+    "Family",
+    "declared",
+    "family_lines",
+    "family_tests",
+    "matched_table",
     "main_table",
     "BENCH_COLUMNS",
     "COST_FIELDS",

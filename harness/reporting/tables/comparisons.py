@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -26,102 +27,126 @@ from harness.reporting.tables.common import (
     train_tokens,
     with_axes,
 )
+from harness.reporting.tables.families import Family, declared, lookup
+
+
+def _delta_text(row: dict, reference: str, ref_runs: list[Run], tokens: set, ref_tokens: set, n: int) -> str:
+    """The Δ cell: the difference with its interval and method, or why there is none."""
+    if row["variant"] == reference:
+        return "reference"
+    if not ref_runs:
+        return f"— (no finished {reference} run)"
+    if not row["same_budget"]:
+        return f"— (trained on {budget_text(tokens)}, {reference} on {budget_text(ref_tokens)})"
+    if not n:
+        return "—"
+    if math.isnan(row["delta_ci95"]):
+        return fmt_delta(row["delta"], row["delta_ci95"], 4)  # one seed on a side: the table's note says so
+    if row["delta_method"] == "paired t":
+        what = f"{row['delta_pairs']} pairs" + ("; seeds differ" if row["delta_partial_seeds"] else "")
+    else:
+        what = f"{n} vs {len(ref_runs)} runs"
+    return fmt_delta(row["delta"], row["delta_ci95"], 4) + f" ({row['delta_method']}, {what})"
+
+
+def comparison_row(groups, setting: str, variant: str, reference: str, used: dict, *, with_ppl: bool):
+    """One row of a comparison with ``reference``: its numbers and its cells (the p column filled later)."""
+    runs = [r for r in groups[(setting, variant)] if r.final_loss is not None]
+    ref_runs = [r for r in groups.get((setting, reference), []) if r.final_loss is not None]
+    loss, loss_half, n = mean_ci(r.final_loss for r in runs)
+    ppl, ppl_half, _ = mean_ci(perplexity(r) for r in runs)
+    tokens, ref_tokens = {train_tokens(r) for r in runs}, {train_tokens(r) for r in ref_runs}
+    used["tokens"] |= tokens
+    same_budget = not runs or not ref_runs or (len(tokens | ref_tokens) == 1 and None not in tokens)
+    c = None
+    if variant != reference and runs and ref_runs and same_budget:
+        c = compare({r.seed: r.final_loss for r in ref_runs}, {r.seed: r.final_loss for r in runs})
+        used["methods"].add(c.method)
+        if c.partial:
+            used["partial"].append(variant if not setting else f"{variant} ({setting})")
+    failed = failures(groups[(setting, variant)])
+    used["failures"] = used["failures"] or bool(failed)
+    zero = 0.0 if variant == reference else math.nan
+    row = {
+        "setting": setting,
+        "variant": variant,
+        "base": runs[0].base if runs else "",
+        "knobs": knobs_text(groups[(setting, variant)][0].knobs),
+        "reference": reference,
+        "seeds": n,
+        "diverged": failed.get("diverged", 0),
+        "failed": failed.get("failed", 0),
+        "val_loss": loss,
+        "val_loss_ci95": loss_half,
+        **({"val_ppl": ppl, "val_ppl_ci95": ppl_half} if with_ppl else {}),
+        "delta": c.delta if c else zero,
+        "delta_ci95": c.half_width if c else zero,
+        "delta_method": c.method if c else "",
+        "delta_pairs": c.pairs if c else 0,
+        "delta_partial_seeds": c.partial if c else False,
+        "delta_p": c.p if c else math.nan,
+        "train_tokens": next(iter(tokens)) if len(tokens) == 1 else None,
+        "same_budget": same_budget,
+    }
+    if not same_budget and ref_runs and variant != reference:
+        used["refused"].append(variant)
+    shown = {"Setting": setting, "Variant": variant}
+    if not with_ppl:
+        shown["Knobs"] = row["knobs"]
+    shown["Seeds"] = str(n)
+    shown["Val loss (95% CI)"] = fmt_ci(loss, loss_half, n, 4)
+    if with_ppl:
+        shown["Val ppl (95% CI)"] = fmt_ci(ppl, ppl_half, n, 2)
+    shown["Failed runs"] = failures_text(failed)
+    shown["Δ"] = _delta_text(row, reference, ref_runs, tokens, ref_tokens, n)
+    del row["same_budget"]
+    return row, shown
 
 
 def comparison_rows(
-    groups: dict[tuple[str, str], list[Run]], keys: list[tuple[str, str]], reference: str, *, with_ppl: bool
+    groups: dict[tuple[str, str], list[Run]],
+    keys: list[tuple[str, str]],
+    reference: str | Callable[[str], str],
+    *,
+    with_ppl: bool,
+    tests: list[Family] | None = None,
 ) -> tuple[list[dict], list[dict], dict]:
-    """Rows of a comparison with ``reference``, and what the notes must say: the interval methods used, the
-    budgets that kept a row from being compared, the rows paired on part of their seeds and the Holm family."""
-    data, display = [], []
+    """Rows of a comparison with ``reference`` (one variant, or a function giving each row's), and what the notes
+    must say: the interval methods used, the budgets that kept a row from being compared, the rows paired on part
+    of their seeds and the Holm family. ``tests`` are the grid's declared families: each Δ then takes the p-value
+    adjusted within its family, and a Δ in none is shown without one; without them the table is one family."""
+    reference_of = reference if callable(reference) else (lambda _variant: reference)
     used = {"methods": set(), "refused": [], "tokens": set(), "partial": [], "tests": 0, "failures": False}
+    used["families"] = tests is not None
+    data, display = [], []
     for setting, variant in keys:
-        runs = [r for r in groups[(setting, variant)] if r.final_loss is not None]
-        ref_runs = [r for r in groups.get((setting, reference), []) if r.final_loss is not None]
-        losses = [r.final_loss for r in runs]
-        loss, loss_half, n = mean_ci(losses)
-        ppl, ppl_half, _ = mean_ci(perplexity(r) for r in runs)
-        tokens, ref_tokens = {train_tokens(r) for r in runs}, {train_tokens(r) for r in ref_runs}
-        used["tokens"] |= tokens
-        same_budget = not runs or not ref_runs or (len(tokens | ref_tokens) == 1 and None not in tokens)
-        diff = half = p = math.nan
-        method, pairs, partial = "", 0, False
-        if variant == reference:
-            diff, half = 0.0, 0.0
-        elif runs and ref_runs and same_budget:
-            c = compare({r.seed: r.final_loss for r in ref_runs}, {r.seed: r.final_loss for r in runs})
-            diff, half, method, p, pairs, partial = c.delta, c.half_width, c.method, c.p, c.pairs, c.partial
-            used["methods"].add(method)
-            if partial:
-                used["partial"].append(variant if not setting else f"{variant} ({setting})")
-        failed = failures(groups[(setting, variant)])
-        used["failures"] = used["failures"] or bool(failed)
-        row = {
-            "setting": setting,
-            "variant": variant,
-            "base": runs[0].base if runs else "",
-            "knobs": knobs_text(groups[(setting, variant)][0].knobs),
-            "seeds": n,
-            "diverged": failed.get("diverged", 0),
-            "failed": failed.get("failed", 0),
-            "val_loss": loss,
-            "val_loss_ci95": loss_half,
-        }
-        if with_ppl:
-            row.update(val_ppl=ppl, val_ppl_ci95=ppl_half)
-        row.update(
-            delta=diff,
-            delta_ci95=half,
-            delta_method=method,
-            delta_pairs=pairs,
-            delta_partial_seeds=partial,
-            delta_p=p,
-            train_tokens=next(iter(tokens)) if len(tokens) == 1 else None,
-        )
+        row, shown = comparison_row(groups, setting, variant, reference_of(variant), used, with_ppl=with_ppl)
         data.append(row)
-        if variant == reference:
-            delta_text = "reference"
-        elif not ref_runs:
-            delta_text = f"— (no finished {reference} run)"
-        elif not same_budget:
-            delta_text = f"— (trained on {budget_text(tokens)}, {reference} on {budget_text(ref_tokens)})"
-            used["refused"].append(variant)
-        elif not runs:
-            delta_text = "—"
-        elif math.isnan(half):
-            delta_text = fmt_delta(diff, half, 4)  # one seed on a side: the table's note says so
-        else:
-            what = (
-                f"{pairs} pairs" + ("; seeds differ" if partial else "")
-                if method == "paired t"
-                else f"{n} vs {len(ref_runs)} runs"
-            )
-            delta_text = fmt_delta(diff, half, 4) + f" ({method}, {what})"
-        shown = {
-            "Setting": setting,
-            "Variant": variant,
-            "Seeds": str(n),
-            "Val loss (95% CI)": fmt_ci(loss, loss_half, n, 4),
-        }
-        if with_ppl:
-            shown["Val ppl (95% CI)"] = fmt_ci(ppl, ppl_half, n, 2)
-        else:
-            shown = {
-                "Setting": setting,
-                "Variant": variant,
-                "Knobs": row["knobs"],
-                "Seeds": str(n),
-                "Val loss (95% CI)": shown["Val loss (95% CI)"],
-            }
-        shown["Failed runs"] = failures_text(failed)
-        shown[f"Δ loss vs {reference} (95% CI, method, pairs)"] = delta_text
         display.append(shown)
-    # One family per table: every Δ of the table is a test of "no difference", corrected together.
-    adjusted = holm(row["delta_p"] for row in data)
-    used["tests"] = sum(not math.isnan(row["delta_p"]) for row in data)
-    for row, shown, p_holm in zip(data, display, adjusted):
-        row["delta_p_holm"] = p_holm
-        shown["p (Holm)"] = "" if row["variant"] == reference else fmt_p(p_holm)
+    header = (
+        f"Δ loss vs {reference} (95% CI, method, pairs)"
+        if isinstance(reference, str)
+        else "Δ loss vs its reference (95% CI, method, pairs)"
+    )
+    for shown in display:
+        shown[header] = shown.pop("Δ")
+    if tests is None:
+        # One family per table: every Δ of the table is a test of "no difference", corrected together.
+        adjusted = holm(row["delta_p"] for row in data)
+        used["tests"] = sum(not math.isnan(row["delta_p"]) for row in data)
+        for row, shown, p_holm in zip(data, display, adjusted):
+            row["delta_p_holm"] = p_holm
+            shown["p (Holm)"] = "" if row["variant"] == row["reference"] else fmt_p(p_holm)
+    else:
+        for row, shown in zip(data, display):
+            found = lookup(tests, row["setting"], row["variant"], row["reference"])
+            row["family"] = found[0] if found else ""
+            row["delta_p_holm"] = found[1] if found else math.nan
+            shown["Family"] = found[0] if found else ("" if row["variant"] == row["reference"] else "none")
+            shown["p (Holm, within family)"] = fmt_p(found[1]) if found else ""
+    if isinstance(reference, str):
+        for row in data:
+            del row["reference"]
     if not used["failures"]:
         for shown in display:
             del shown["Failed runs"]
@@ -144,7 +169,14 @@ def comparison_notes(used: dict, reference: str, display: list[dict], rows: list
             + "; ".join(words[m] for m in ("paired t", "Welch", "one seed") if m in methods)
             + ". Negative Δ is better."
         )
-    if used["tests"]:
+    if used["families"]:
+        notes.append(
+            "p (Holm, within family): the two-sided p-value of the t-test behind each Δ, Holm–Bonferroni adjusted "
+            "within the declared family named in column Family (the report lists each family and its size under "
+            f"Claims); * marks an adjusted p below {SIGNIFICANCE:g}. A Δ in no family (none) is shown with its "
+            "interval only: the grid makes no claim on it."
+        )
+    elif used["tests"]:
         notes.append(
             f"p (Holm): the two-sided p-value of the t-test behind each Δ, Holm–Bonferroni adjusted over the "
             f"{used['tests']} differences of this table; * marks an adjusted p below {SIGNIFICANCE:g}."
@@ -186,12 +218,14 @@ def main_table(ctx: Context) -> Table:
     """Final validation loss and perplexity per variant: the mean over seeds ± the half-width of the two-sided 95%
     Student-t interval, Δ to the baseline with its 95% interval, paired over shared seeds (Welch where the runs
     share none) with the number of pairs, only between runs of one training budget, its p-value Holm-adjusted
-    over the table, and the runs of each variant that diverged or failed."""
+    over the table (within its declared family, where the grid declares `report.primary`), and the runs of each
+    variant that diverged or failed."""
     sweep, baseline = ctx.sweep, split_variant(ctx.baseline)[0]
     groups = group_runs(sweep.runs)
     if not groups:
         raise NoData("no run directories")
-    data, display, used = comparison_rows(groups, ordered_keys(groups, baseline), baseline, with_ppl=True)
+    keys = ordered_keys(groups, baseline)
+    data, display, used = comparison_rows(groups, keys, baseline, with_ppl=True, tests=declared(ctx))
     notes = [
         "Mean over seeds ± half-width of the two-sided 95% Student-t interval. Only finished runs are counted.",
         *comparison_notes(used, baseline, display, data),
