@@ -114,6 +114,7 @@ def wandb_dir(run_dir: Path) -> str:
 def _wandb(run_dir: Path, cfg: RunConfig, rows) -> None:
     import uuid
 
+    os.environ.setdefault("WANDB_SILENT", "true")  # ~26 lines a run otherwise; WANDB_SILENT=false shows them
     import wandb
 
     record = _record(run_dir)

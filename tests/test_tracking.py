@@ -196,12 +196,16 @@ def test_plain_logs_have_progress_lines_and_no_advertising(tmp_path, capsys, cap
     assert all("elapsed" in ln and "eta" in ln for ln in lines) and "tok/s" in lines[-1]
     assert "val_loss" in lines[-1]
     assert "litlogger" not in out and "Tip" not in out
+    # Lightning's word on devices the run did not use and on max_steps is not about this run.
+    assert "GPU available" not in out and "TPU available" not in out and "Trainer.fit" not in out
 
 
 def test_terminal_shows_a_step_bar_with_val_loss(tmp_path):
     out = _cli_train_in_a_terminal(tmp_path)
     assert "train" in out and "4/4" in out and "val_loss" in out
     assert "Epoch 0/-2" not in out and "litlogger" not in out and "depthmem: step" not in out
+    # The start line says what trains and where, in a terminal as in a log.
+    assert "parameters, 4 steps" in out and "writing" in out
 
 
 def test_a_finished_run_is_the_same_run_under_another_logger_or_eval_tasks(tmp_path, capsys):

@@ -54,18 +54,22 @@ def _safe_cost(fn) -> Any:
         return None
 
 
-class _NoAdvertising(logging.Filter):
-    """Drops Lightning's tips for its own cloud products, which are not about this run."""
+class _LightningNoise(logging.Filter):
+    """Drops what Lightning says of every run and not of this one: tips for its cloud products, the devices it did
+    not use (the start line names the run's), and that ``fit`` stopped at ``max_steps`` (the run's own last line
+    says how it ended)."""
+
+    NOISE = ("💡", "GPU available", "TPU available", "HPU available", "`Trainer.fit` stopped")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).lstrip().startswith("💡")
+        return not str(record.getMessage()).lstrip().startswith(self.NOISE)
 
 
 def _quiet_lightning() -> None:
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         log = logging.getLogger(name)
-        if not any(isinstance(f, _NoAdvertising) for f in log.filters):
-            log.addFilter(_NoAdvertising())
+        if not any(isinstance(f, _LightningNoise) for f in log.filters):
+            log.addFilter(_LightningNoise())
 
 
 def _cluster_environment():
@@ -155,6 +159,8 @@ def _loggers(cfg: RunConfig, run_dir: Path) -> list:
         logger = TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False)
     elif t.logger == "wandb":
         from lightning.pytorch.loggers import WandbLogger
+
+        os.environ.setdefault("WANDB_SILENT", "true")  # W&B's banners and sync hints; WANDB_SILENT=false shows them
 
         # Project from the grid (train.wandb_project) or the sweep's name; one group per sweep, one job type per
         # variant, the run id as the name.
@@ -313,7 +319,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
             run_dir, "running", step=resume_step, last_loss=status.get("last_loss"), message=f"{what}, {total} steps"
         )
     plain_logs = not sys.stderr.isatty()
-    if rank0 and plain_logs:
+    if rank0:
         print(
             f"depthmem: {cfg.variant} {cfg.model.preset}, {model.num_params():,} parameters, {total} steps "
             f"of {cfg.train.batch_size}x{seq_len} tokens = {total * cfg.train.batch_size * seq_len:,} tokens "
