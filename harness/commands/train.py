@@ -92,6 +92,10 @@ def run(args) -> int:
     problems = preflight.here(cfg)
     if problems:
         raise UsageError(problems[0])
+    if cfg.eval.tasks:  # a run directory's config names tasks that a sweep evaluates later: known ones only
+        from harness.evaluation.evaluator import check_tasks
+
+        check_tasks(cfg.eval.tasks)
     if args.dry_run:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0

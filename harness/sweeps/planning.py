@@ -13,6 +13,7 @@ from typing import Any
 
 from harness import preflight, tracking
 from harness.errors import DepthmemError, UsageError
+from harness.io import check_creatable
 from harness.rundir import read_sweep_record
 from harness.sweeps.grid import Grid, GridRun, axis_keys, check_tune, expand, load_grid
 from harness.sweeps.job import pending_tasks
@@ -139,9 +140,28 @@ def plan(
     p = Plan(grid, ready, prof, executor, sweep_dir, parallelism=parallelism, axes=axis_keys(grid))
     p.tuning, p.selection = tuning_plan, entries
     p.warnings = _check_corpus(p.runs) + preflight.for_executor([r.cfg for r in p.runs], p.executor)
+    check_needs(p)
     _decide(p, retry_failed, [r for r in ready if not any(r is w for w in waiting)])
     p.decisions.update({r.run_id: "waiting" for r in waiting})
     return p
+
+
+def check_needs(p: Plan) -> None:
+    """Refuse, in a dry run as in a submission, what would stop every run wherever it runs: eval tasks that
+    lm-eval does not know or whose data is missing, and a results folder that cannot be written.
+
+    What depends on the machine the runs go to (a GPU, a partition, the corpus) is in ``p.warnings``: a dry run
+    on a laptop shows it, a submission refuses it.
+    """
+    from harness.evaluation.evaluator import check_tasks
+
+    tasks = list(dict.fromkeys(t for r in p.runs for t in r.cfg.eval.tasks))
+    if tasks:
+        try:
+            check_tasks(tasks)
+        except UsageError as e:
+            raise UsageError(f"eval.tasks in {p.grid.source}: {e}") from None
+    check_creatable(p.sweep_dir, "sweep folder")
 
 
 def _decide(p: Plan, retry_failed: bool, runs: list[GridRun] | None = None) -> None:

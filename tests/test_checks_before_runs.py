@@ -1,0 +1,107 @@
+"""What a run will need is checked before any run starts, and a dry run checks the same: eval task names, the
+results folder, the grid's values, the YAML of grids and profiles, and the shape of overrides.
+
+Every case goes through the real command line (``harness.cli.main`` in-process) and checks that it ends with one
+sentence naming the problem, exit 2, and that nothing was created or trained.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from cli_checks import TRAIN_ARGS, fails
+
+from harness.cli import main as cli_main
+
+GRID = (
+    "name: g\nbase:\n  model: {{preset: tiny}}\n  train: {{max_steps: 2}}\n  eval: {{tasks: {tasks}}}\n"
+    "axes:\n  variant: [preln, ldm]\n"
+)
+
+
+@pytest.fixture(autouse=True)
+def shared_cache(tmp_path_factory, monkeypatch):
+    """The tokenizer and token cache every test file shares (it is safe under concurrent use)."""
+    path = tmp_path_factory.getbasetemp().parent / "depthmem-cache"
+    monkeypatch.setenv("DEPTHMEM_CACHE", str(path))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def quiet_stale_log_handlers(monkeypatch):
+    # Libraries attach log handlers to the stderr of the test that imported them; pytest closes that stream.
+    monkeypatch.setattr(logging, "raiseExceptions", False)
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def blocked(tmp_path) -> Path:
+    """A path below a regular file: no process, root included, can make a folder there."""
+    (tmp_path / "a-file").write_text("not a folder")
+    return tmp_path / "a-file" / "sub"
+
+
+# -- eval task names ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []])
+def test_misspelt_offline_task_fails_the_dry_run_and_the_submission(capsys, tmp_path, dry_run):
+    grid = write(tmp_path / "g.yaml", GRID.format(tasks="[offline_copa, offline_foo]"))
+    line = fails(capsys, ["sweep", str(grid), *dry_run, "--results", str(tmp_path / "results")])
+    assert "Unknown task 'offline_foo'" in line and str(grid) in line
+    assert "offline_copa" in line and "offline_piqa" in line  # the allowed names
+    assert not (tmp_path / "results").exists()
+
+
+def test_known_tasks_pass_the_dry_run(capsys, tmp_path):
+    grid = write(tmp_path / "g.yaml", GRID.format(tasks="[offline_copa, offline]"))
+    assert cli_main(["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")]) == 0
+    assert "2 run(s)" in capsys.readouterr().out
+
+
+def test_unknown_hub_task_fails_the_dry_run_train_and_eval(capsys, tmp_path):
+    # A name outside the offline suite is looked up in lm-eval's own task index (built once per process).
+    grid = write(tmp_path / "g.yaml", GRID.format(tasks="[hellaswg]"))
+    line = fails(capsys, ["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")])
+    assert "Unknown task 'hellaswg'" in line and "Did you mean 'hellaswag'?" in line and "offline_hellaswag" in line
+    run = tmp_path / "run"
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(run), "--set", "eval.tasks=[hellaswg]"])
+    assert "Unknown task 'hellaswg'" in line and not run.exists()
+    assert cli_main(["train", *TRAIN_ARGS, "--out", str(run)]) == 0
+    capsys.readouterr()
+    line = fails(capsys, ["eval", str(run), "--tasks", "offline_copa,hellaswg", "--limit", "2"])
+    assert "Unknown task 'hellaswg'" in line
+    assert not (run / "eval").exists()  # nothing was evaluated, not even the known task
+
+
+def test_train_with_a_misspelt_task_fails_before_training(capsys, tmp_path):
+    run = tmp_path / "run"
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(run), "eval.tasks=[offline_foo]"])
+    assert "Unknown task 'offline_foo'" in line and "offline_copa" in line
+    assert not run.exists()
+
+
+# -- the results folder and the grid's values ---------------------------------------------------------------------
+def test_dry_run_with_an_unwritable_results_folder(capsys, tmp_path, blocked):
+    grid = write(tmp_path / "g.yaml", GRID.format(tasks="[]"))
+    line = fails(capsys, ["sweep", str(grid), "--dry-run", "--results", str(blocked)])
+    assert "sweep folder" in line and str(blocked) in line and "is a file" in line
+
+
+@pytest.mark.parametrize(
+    "axis, expected",
+    [
+        ("train.lr: [1.0e-3, -1]", ["train.lr must be positive"]),
+        ("train.logger: [csv, tensorbord]", ["train.logger must be csv, tensorboard or wandb", "'tensorbord'"]),
+    ],
+)
+def test_dry_run_checks_every_value_of_the_grid(capsys, tmp_path, axis, expected):
+    grid = write(tmp_path / "g.yaml", GRID.format(tasks="[]") + f"  {axis}\n")
+    line = fails(capsys, ["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")])
+    for text in expected:
+        assert text in line
