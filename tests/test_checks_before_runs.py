@@ -105,3 +105,50 @@ def test_dry_run_checks_every_value_of_the_grid(capsys, tmp_path, axis, expected
     line = fails(capsys, ["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")])
     for text in expected:
         assert text in line
+
+
+# -- duplicate keys in grids, profiles and config files --------------------------------------------------------
+@pytest.mark.parametrize(
+    "body, key, lines",
+    [
+        (
+            "name: g\nbase:\n  model: {preset: tiny}\n  train: {max_steps: 2, lr: 1.0e-3, lr: 3.0e-3}\n"
+            "axes:\n  variant: [preln]\n",
+            "'lr'",
+            "(line 4)",
+        ),
+        (
+            "name: g\nbase:\n  model: {preset: tiny}\naxes:\n  variant: [preln]\nbase:\n  train: {max_steps: 2}\n",
+            "'base'",
+            "(lines 2 and 6)",
+        ),
+        (
+            "name: g\nbase:\n  model: {preset: tiny}\naxes:\n  variant: [preln]\n  variant: [ldm]\n",
+            "'variant'",
+            "(lines 5 and 6)",
+        ),
+    ],
+)
+def test_duplicate_key_in_a_grid(capsys, tmp_path, body, key, lines):
+    grid = write(tmp_path / "g.yaml", body)
+    for argv in (["--dry-run"], []):
+        line = fails(capsys, ["sweep", str(grid), *argv, "--results", str(tmp_path / "results")])
+        assert f"The key {key} appears twice" in line and str(grid) in line and lines in line
+    assert not (tmp_path / "results").exists()
+
+
+def test_duplicate_key_in_a_profile_and_a_config_file(capsys, tmp_path):
+    profile = write(tmp_path / "p.yaml", "executor: local\nmem_gb: 8\ncpus_per_task: 2\nmem_gb: 16\n")
+    grid = write(tmp_path / "g.yaml", GRID.format(tasks="[]"))
+    line = fails(capsys, ["sweep", str(grid), "--profile", str(profile), "--dry-run", "--results", str(tmp_path)])
+    assert "The key 'mem_gb' appears twice" in line and str(profile) in line and "(lines 2 and 4)" in line
+    config = write(tmp_path / "run.yaml", "model:\n  preset: tiny\ntrain:\n  seed: 1\n  seed: 2\n")
+    line = fails(capsys, ["train", "--config", str(config), "--out", str(tmp_path / "run"), "--dry-run"])
+    assert "The key 'seed' appears twice" in line and str(config) in line
+
+
+def test_a_merged_key_may_be_overridden(tmp_path):
+    from harness.yamltext import read_yaml
+
+    path = write(tmp_path / "m.yaml", "small: &s {lr: 1.0e-3, seed: 0}\nrun:\n  <<: *s\n  lr: 3.0e-3\n")
+    assert read_yaml(path)["run"] == {"lr": 3.0e-3, "seed": 0}
