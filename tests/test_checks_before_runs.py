@@ -152,3 +152,28 @@ def test_a_merged_key_may_be_overridden(tmp_path):
 
     path = write(tmp_path / "m.yaml", "small: &s {lr: 1.0e-3, seed: 0}\nrun:\n  <<: *s\n  lr: 3.0e-3\n")
     assert read_yaml(path)["run"] == {"lr": 3.0e-3, "seed": 0}
+
+
+# -- one run takes one value --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override", ["train.lr=1e-3,3e-3", "eval.tasks=offline_copa,offline_piqa"])
+def test_comma_list_on_train_points_to_sweep(capsys, tmp_path, override):
+    for argv in ([override], ["--set", override]):
+        line = fails(capsys, ["train", "--preset", "tiny", *argv, "--out", str(tmp_path / "run"), "--dry-run"])
+        assert "comma lists are sweep axes: use `depthmem sweep`" in line and repr(override) in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "override, key, expected",
+    [
+        ("variant=ldm-rls(groups=4,lambda=0.9)", "variant", "ldm-rls(groups=4,lambda=0.9)"),
+        ("eval.tasks=[offline_copa,offline_piqa]", "eval", {"tasks": ["offline_copa", "offline_piqa"]}),
+    ],
+)
+def test_commas_inside_brackets_are_one_value(capsys, tmp_path, override, key, expected):
+    import json
+
+    assert cli_main(["train", "--preset", "tiny", override, "--out", str(tmp_path / "run"), "--dry-run"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    got = cfg[key] if key == "variant" else {"tasks": cfg[key]["tasks"]}
+    assert got == expected

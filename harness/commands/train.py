@@ -59,6 +59,19 @@ def check_overrides(items: list[str]) -> list[str]:
     return items
 
 
+def check_single_values(overrides: list[str]) -> None:
+    """Refuse ``train.lr=1e-3,3e-3``: one run takes one value, and a comma list means a sweep over them."""
+    from harness.sweeps.planning import split_choices
+
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if len(split_choices(value)) > 1:
+            raise UsageError(
+                f"{item!r} gives {key} several values, but comma lists are sweep axes: use `depthmem sweep` "
+                "to train one run per value (a list value is written in brackets, e.g. eval.tasks=[a,b])."
+            )
+
+
 def resolve(args):
     """The RunConfig the arguments describe: config file, then --preset/--variant, then the flags, then the
     KEY=VALUE overrides (``--set`` ones first)."""
@@ -81,6 +94,7 @@ def resolve(args):
     if train:
         layers.append({"train": train})
     overrides = check_overrides(list(getattr(args, "set_overrides", [])) + list(args.overrides))
+    check_single_values(overrides)
     if getattr(args, "wandb_project", None):
         overrides.append(f"train.wandb_project={args.wandb_project}")
     layers.append(overrides)
