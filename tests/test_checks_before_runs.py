@@ -1,19 +1,28 @@
 """What a run will need is checked before any run starts, and a dry run checks the same: eval task names, the
-results folder, the grid's values, the YAML of grids and profiles, and the shape of overrides.
+results folder, the grid's values, the YAML of grids and profiles, and the shape of overrides; and output to a
+reader that has gone ends quietly.
 
-Every case goes through the real command line (``harness.cli.main`` in-process) and checks that it ends with one
-sentence naming the problem, exit 2, and that nothing was created or trained.
+Every case goes through the real command line (``harness.cli.main`` in-process, or as its own process where the
+standard output must be a real pipe) and checks that a bad input ends with one sentence naming the problem,
+exit 2, and that nothing was created or trained.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from cli_checks import TRAIN_ARGS, fails
+from test_status import make_sweep
 
+from harness.cli import PIPE_CLOSED
 from harness.cli import main as cli_main
+from harness.yamltext import read_yaml
 
 GRID = (
     "name: g\nbase:\n  model: {{preset: tiny}}\n  train: {{max_steps: 2}}\n  eval: {{tasks: {tasks}}}\n"
@@ -148,8 +157,6 @@ def test_duplicate_key_in_a_profile_and_a_config_file(capsys, tmp_path):
 
 
 def test_a_merged_key_may_be_overridden(tmp_path):
-    from harness.yamltext import read_yaml
-
     path = write(tmp_path / "m.yaml", "small: &s {lr: 1.0e-3, seed: 0}\nrun:\n  <<: *s\n  lr: 3.0e-3\n")
     assert read_yaml(path)["run"] == {"lr": 3.0e-3, "seed": 0}
 
@@ -171,9 +178,40 @@ def test_comma_list_on_train_points_to_sweep(capsys, tmp_path, override):
     ],
 )
 def test_commas_inside_brackets_are_one_value(capsys, tmp_path, override, key, expected):
-    import json
-
     assert cli_main(["train", "--preset", "tiny", override, "--out", str(tmp_path / "run"), "--dry-run"]) == 0
     cfg = json.loads(capsys.readouterr().out)
     got = cfg[key] if key == "variant" else {"tasks": cfg[key]["tasks"]}
     assert got == expected
+
+
+# -- a reader that stops reading ----------------------------------------------------------------------------------
+def _with_closed_stdout(argv: list[str]) -> tuple[int, str]:
+    """Run the CLI as its own process whose standard output's reader has already gone (``... | head -0``)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "harness.cli", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=root,
+            env=env,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    return proc.returncode, proc.stderr
+
+
+def test_closed_pipe_ends_quietly(tmp_path):
+    grid = write(tmp_path / "g.yaml", GRID.format(tasks="[]"))
+    sweep = make_sweep(tmp_path / "results", runs=20)
+    for argv in (
+        ["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")],
+        ["status", sweep.name, "--results", str(sweep.parent)],
+    ):
+        code, err = _with_closed_stdout(argv)
+        assert code == PIPE_CLOSED == 141 and err == "", (argv, code, err[-2000:])
