@@ -215,3 +215,25 @@ def test_closed_pipe_ends_quietly(tmp_path):
     ):
         code, err = _with_closed_stdout(argv)
         assert code == PIPE_CLOSED == 141 and err == "", (argv, code, err[-2000:])
+
+
+# -- an --out that holds another run ------------------------------------------------------------------------------
+def test_another_runs_folder_names_the_keys_that_differ(capsys, tmp_path):
+    run = tmp_path / "run"
+    assert cli_main(["train", *TRAIN_ARGS, "--out", str(run)]) == 0
+    capsys.readouterr()
+    before = (run / "config.json").read_bytes()
+    saved = json.loads(before)
+    # Without the run's settings the defaults differ in several keys: a few are named, the rest counted.
+    line = fails(capsys, ["train", "--out", str(run), "train.logger=tensorboard"], max_len=800)
+    assert "holds a run with a different config" in line
+    assert f"train.batch_size: {saved['train']['batch_size']} → 8" in line
+    assert line.count(" → ") == 3 and "more)" in line and f"--config {run / 'config.json'}" in line
+    # One key changed: exactly that one is named, with both values.
+    config = str(run / "config.json")
+    line = fails(capsys, ["train", "--out", str(run), "--config", config, "train.lr=0.0125"], max_len=800)
+    assert f"(train.lr: {saved['train']['lr']} → 0.0125)" in line
+    assert (run / "config.json").read_bytes() == before
+    # The logger is not part of what the run trained: the run's own settings with another logger are accepted.
+    assert cli_main(["train", "--out", str(run), "--config", config, "train.logger=tensorboard"]) == 0
+    assert "sent" in capsys.readouterr().out
