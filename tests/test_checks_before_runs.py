@@ -22,6 +22,9 @@ from test_status import make_sweep
 
 from harness.cli import PIPE_CLOSED
 from harness.cli import main as cli_main
+from harness.io import atomic_write_json, read_json
+from harness.rundir import short_value, write_config, write_status
+from harness.sweeps.planning import plan
 from harness.yamltext import read_yaml
 
 GRID = (
@@ -237,3 +240,50 @@ def test_another_runs_folder_names_the_keys_that_differ(capsys, tmp_path):
     # The logger is not part of what the run trained: the run's own settings with another logger are accepted.
     assert cli_main(["train", "--out", str(run), "--config", config, "train.logger=tensorboard"]) == 0
     assert "sent" in capsys.readouterr().out
+
+
+# -- run ids ------------------------------------------------------------------------------------------------------
+LR_GRID = (
+    "name: g\nbase:\n  model: {preset: tiny}\n  train: {max_steps: 2}\naxes:\n  train.lr: [3.0e-3, 1.0e-2, 3.0e-2]\n"
+)
+
+
+def _finished(run_dir: Path, cfg) -> None:
+    """A run as a finished sweep leaves it: its entry in sweep.json, its config, a done status and its summary."""
+    record = read_json(run_dir.parent / "sweep.json", default={"runs": []})
+    record["runs"].append({"run_id": run_dir.name, "run_dir": run_dir.name, "overrides": {"train.lr": cfg.train.lr}})
+    atomic_write_json(run_dir.parent / "sweep.json", record)
+    write_config(run_dir, cfg)
+    write_status(run_dir, "done", step=2, total_steps=2, message="")
+    atomic_write_json(run_dir / "summary.json", {"val_loss": 3.0, "val_bpb": 1.2, "params": 140000})
+
+
+def test_run_ids_write_every_learning_rate_in_one_form(tmp_path):
+    grid = write(tmp_path / "g.yaml", LR_GRID)
+    p = plan(grid, root=tmp_path / "results")
+    assert [r.run_id.split("-s0-")[0] for r in p.runs] == ["preln-lr3e-3", "preln-lr1e-2", "preln-lr3e-2"]
+    assert [short_value(v) for v in (0.0125, 0.05, 0.1, 0.5, 2.0, 1e6, 1.5e-5)] == [
+        "1.25e-2",
+        "5e-2",
+        "0.1",
+        "0.5",
+        "2",
+        "1e6",
+        "1.5e-5",
+    ]
+
+
+def test_finished_runs_named_in_another_form_are_found_again(tmp_path):
+    grid = write(tmp_path / "g.yaml", LR_GRID)
+    sweep_dir = tmp_path / "results" / "g"
+    first = plan(grid, root=tmp_path / "results")
+    ids = [r.run_id for r in first.runs]
+    old = ids[1].replace("-lr1e-2-", "-lr0.01-")
+    _finished(sweep_dir / old, first.runs[1].cfg)
+    again = plan(grid, root=tmp_path / "results")
+    assert [r.run_id for r in again.runs] == [ids[0], old, ids[2]]
+    assert again.decisions == {ids[0]: "submit", old: "done", ids[2]: "submit"}
+    # Two folders with the same seed and hash: which one is the run cannot be told, so neither is taken.
+    _finished(sweep_dir / ids[1].replace("-lr1e-2-", "-lr0.010-"), first.runs[1].cfg)
+    third = plan(grid, root=tmp_path / "results")
+    assert [r.run_id for r in third.runs] == ids and third.decisions[ids[1]] == "submit"

@@ -69,7 +69,7 @@ def test_local_sweep_trains_every_run(finished):
         assert (run_dir / "config.json").exists() and (run_dir / "ckpt" / "last.ckpt").exists()
         assert next(r for r in record["runs"] if r["run_id"] == rid)["job_id"] == str(job.job_id)
     # two learning rates are two different trainings, and the ids say which is which
-    assert [r.run_id.split("-s0-")[0] for r in sub.plan.runs] == ["preln-lr3e-3", "preln-lr0.01"]
+    assert [r.run_id.split("-s0-")[0] for r in sub.plan.runs] == ["preln-lr3e-3", "preln-lr1e-2"]
     losses = {r["run_id"]: r["val_loss"] for r in sub.rows}
     assert len(set(losses.values())) == 2
 
