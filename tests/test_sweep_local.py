@@ -27,7 +27,10 @@ TINY_TRAIN = (
 
 
 def grid_file(tmp_path: Path, name: str, axes: str, extra_train: str = "") -> Path:
-    train = TINY_TRAIN[:-1] + (f", {extra_train}" if extra_train else "") + "}"
+    # A key of extra_train replaces TINY_TRAIN's own: a YAML mapping names each key once.
+    items = dict(part.split(": ", 1) for part in TINY_TRAIN.strip("{}").split(", "))
+    items.update(part.split(": ", 1) for part in extra_train.split(", ") if part)
+    train = "{" + ", ".join(f"{key}: {value}" for key, value in items.items()) + "}"
     path = tmp_path / f"{name}.yaml"
     path.write_text(
         textwrap.dedent(f"""
