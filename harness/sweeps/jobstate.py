@@ -6,8 +6,8 @@ on SLURM, the job's process on this machine. So a job killed from outside shows 
 scheduler's reason, and a requeued job waiting to restart shows as ``requeued`` with the step it resumes from.
 A run a local sweep has not started yet has no job: it waits for the sweep's own process (recorded in
 ``sweep-process.json``), and shows as ``orphaned`` once that process is gone. Every row carries the command that
-moves it on (``advice``). Nothing here unpickles a file: the harness keeps
-what it needs in its own JSON, so reading a results folder from elsewhere cannot run code.
+moves it on (``advice``). Nothing here unpickles a file: the harness keeps what it needs in its own JSON, so
+reading a results folder from elsewhere cannot run code.
 """
 
 from __future__ import annotations
@@ -129,8 +129,9 @@ def _start_ticks(pid: int) -> str | None:
 def _process_file(sweep_dir: Path) -> Path:
     # A tuning stage's runs live in a folder inside the sweep's; the sweep's one process starts both.
     sweep_dir = Path(sweep_dir)
-    if sweep_dir.name == TUNE_DIR and (sweep_dir.parent / "sweep.json").exists():
-        sweep_dir = sweep_dir.parent
+    parent = sweep_dir.parent
+    if sweep_dir.name == TUNE_DIR and ((parent / SWEEP_PROCESS).exists() or (parent / "sweep.json").exists()):
+        return parent / SWEEP_PROCESS
     return sweep_dir / SWEEP_PROCESS
 
 
