@@ -9,6 +9,7 @@ exit 2, and that nothing was created or trained.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -287,3 +288,18 @@ def test_finished_runs_named_in_another_form_are_found_again(tmp_path):
     _finished(sweep_dir / ids[1].replace("-lr1e-2-", "-lr0.010-"), first.runs[1].cfg)
     third = plan(grid, root=tmp_path / "results")
     assert [r.run_id for r in third.runs] == ids and third.decisions[ids[1]] == "submit"
+
+
+# -- the logger's package -----------------------------------------------------------------------------------------
+def test_a_logger_whose_package_is_missing_fails_before_training(capsys, tmp_path, monkeypatch):
+    # Simulated: the package lookup finds nothing, as on a machine where wandb was never installed.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    run = tmp_path / "run"
+    line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(run), "train.logger=wandb"])
+    assert "train.logger=wandb needs the package wandb" in line and "train.logger=csv" in line
+    assert not run.exists()
+    grid = write(tmp_path / "g.yaml", GRID.format(tasks="[]") + "  train.logger: [csv, wandb]\n")
+    line = fails(capsys, ["sweep", str(grid), "--executor", "local", "--results", str(tmp_path / "results")])
+    assert "train.logger=wandb needs the package wandb" in line
+    assert not (tmp_path / "results").exists()
