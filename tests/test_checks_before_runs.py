@@ -82,6 +82,11 @@ def test_unknown_hub_task_fails_the_dry_run_train_and_eval(capsys, tmp_path):
     grid = write(tmp_path / "g.yaml", GRID.format(tasks="[hellaswg]"))
     line = fails(capsys, ["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")])
     assert "Unknown task 'hellaswg'" in line and "Did you mean 'hellaswag'?" in line and "offline_hellaswag" in line
+    # A known hub task passes, and the dry run names it with its offline twin.
+    write(tmp_path / "g.yaml", GRID.format(tasks="[hellaswag, offline_copa]"))
+    assert cli_main(["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")]) == 0
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note: ")]
+    assert len(notes) == 1 and "names hellaswag, whose data" in notes[0] and "offline_hellaswag read" in notes[0]
     run = tmp_path / "run"
     line = fails(capsys, ["train", *TRAIN_ARGS, "--out", str(run), "--set", "eval.tasks=[hellaswg]"])
     assert "Unknown task 'hellaswg'" in line and not run.exists()

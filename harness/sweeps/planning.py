@@ -36,6 +36,8 @@ class Plan:
     """run_id -> ``submit``, ``resume``, ``evaluate``, ``done``, ``queued``, ``failed`` (skipped), ``retry`` or
     ``waiting`` (for its cell's tuning runs)."""
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What the dry run points out without refusing it: eval tasks that need the Hugging Face hub."""
     axes: list[str] = field(default_factory=list)
     backfill: list[str] = field(default_factory=list)
     """Finished runs whose ``train.logger`` has not seen their metrics; the submission sends them from metrics.csv."""
@@ -184,6 +186,7 @@ def check_needs(p: Plan) -> None:
     on a laptop shows it, a submission refuses it.
     """
     from harness.evaluation.evaluator import check_tasks
+    from harness.evaluation.tasks import SUITE, is_offline_name
 
     tasks = list(dict.fromkeys(t for r in p.runs for t in r.cfg.eval.tasks))
     if tasks:
@@ -191,6 +194,14 @@ def check_needs(p: Plan) -> None:
             check_tasks(tasks)
         except UsageError as e:
             raise UsageError(f"eval.tasks in {p.grid.source}: {e}") from None
+    hub = [t for t in tasks if not is_offline_name(t)]
+    if hub:
+        twins = [f"{SUITE}_{t}" for t in hub if is_offline_name(f"{SUITE}_{t}")]
+        p.notes.append(
+            f"eval.tasks names {', '.join(hub)}, whose data lm-eval downloads from the Hugging Face hub: a node "
+            f"without the network evaluates {'it' if len(hub) == 1 else 'them'} only from a cached copy"
+            + (f" ({', '.join(twins)} read the same benchmark from disk)" if twins else "")
+        )
     check_creatable(p.sweep_dir, "sweep folder")
 
 
