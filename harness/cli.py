@@ -108,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     debug = args.debug or os.environ.get("DEPTHMEM_DEBUG") == "1"
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except DepthmemError as e:
         if debug:
             raise
@@ -135,6 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("depthmem: interrupted.\n")
         return 130
+
+
+PIPE_CLOSED = 141
+"""Exit status when the reader of standard output went away (``depthmem status | head``): 128 + SIGPIPE, what a
+shell reports for any program a closed pipe stops, so ``set -o pipefail`` scripts see the usual value."""
+
+
+def _reader_gone() -> int:
+    # Nothing more can reach the reader; pointing stdout at /dev/null keeps Python's final flush from printing
+    # its own BrokenPipeError message on the way out.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is no real file (captured in-process): nothing will flush it to a pipe
+    return PIPE_CLOSED
 
 
 if __name__ == "__main__":

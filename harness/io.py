@@ -261,6 +261,23 @@ def writable_dir(path: str | os.PathLike, what: str = "output folder") -> Path:
     return path
 
 
+def check_creatable(path: str | os.PathLike, what: str = "output folder") -> Path:
+    """Check, creating nothing, that ``path`` is a writable folder or can be made one: what a dry run checks of a
+    folder the real run would create."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"The {what} {str(path)!r} is a file, not a folder: give a folder path.")
+    nearest = path
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise UsageError(f"Cannot create the {what} {str(path)!r}: {str(nearest)!r} is a file, not a folder.")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        where = "" if nearest == path else f" (its nearest existing folder {str(nearest)!r} is not writable)"
+        raise UsageError(f"The {what} {str(path)!r} is not a writable folder{where}.")
+    return path
+
+
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:
     """Read a JSON file, or return ``default`` when it does not exist; ``DamagedFile`` when it does not parse."""
     try:

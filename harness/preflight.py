@@ -21,6 +21,8 @@ _PACKAGES = {
     "transformer-engine": "transformer_engine",
     "transformer-engine-float16": "transformer_engine",
 }
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""The package each ``train.logger`` other than csv writes through."""
 
 
 def _has(module: str) -> bool:
@@ -50,6 +52,12 @@ def here(cfg: RunConfig) -> list[str]:
         if name in _PACKAGES and not _has(_PACKAGES[name]):
             what = "train.accelerator" if name == t.accelerator else "train.precision"
             problems.append(f"{what}={name} needs the package {_PACKAGES[name]}, which is not installed here.")
+    package = LOGGER_PACKAGES.get(t.logger)
+    if package and not _has(package):
+        problems.append(
+            f"train.logger={t.logger} needs the package {package}, which is not installed here: install it "
+            f"(pip install {package}) or use train.logger=csv."
+        )
     return problems
 
 
@@ -98,5 +106,5 @@ def for_executor(cfgs: list[RunConfig], executor: str) -> list[str]:
     # Runs differ in many keys but few in these: check each distinct setting once.
     seen: dict[tuple, RunConfig] = {}
     for cfg in cfgs:
-        seen.setdefault((cfg.train.accelerator, str(cfg.train.precision), cfg.train.devices), cfg)
+        seen.setdefault((cfg.train.accelerator, str(cfg.train.precision), cfg.train.devices, cfg.train.logger), cfg)
     return list(dict.fromkeys(msg for cfg in seen.values() for msg in here(cfg)))

@@ -140,18 +140,24 @@ def axis_label(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
+SCIENTIFIC_BELOW = 0.1
+"""Floats smaller than this in magnitude read as ``3e-3`` in ids, so a learning-rate axis is written in one form
+(``1e-3``, ``3e-3``, ``1e-2``, ``3e-2``); larger ones as ``%g`` writes them (``0.5``, ``2``, ``1e6``)."""
+
+
 def short_value(value: Any) -> str:
-    """An axis value as it reads in an id: ``0.003`` -> ``3e-3``, ``/data/fineweb`` -> ``fineweb``."""
+    """An axis value as it reads in an id: ``0.003`` -> ``3e-3``, ``0.01`` -> ``1e-2``, ``/data/fineweb`` ->
+    ``fineweb``."""
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, float):
+        if 0 < abs(value) < SCIENTIFIC_BELOW:
+            mant, exp = f"{value:e}".split("e")
+            return f"{float(mant):g}e{int(exp)}"
         text = f"{value:g}"
         if "e" in text:
             mant, exp = text.split("e")
             return f"{mant}e{int(exp)}"
-        if 0 < abs(value) < 0.01:
-            mant, exp = f"{value:e}".split("e")
-            return f"{float(mant):g}e{int(exp)}"
         return text
     text = str(value)
     if "/" in text:

@@ -18,8 +18,29 @@ from harness.errors import UsageError
 FLOAT = "tag:yaml.org,2002:float"
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping names one key twice; PyYAML would keep the last value without a word."""
+
+    def __init__(self, key: Any, first: int, again: int):
+        self.key, self.first, self.again = key, first, again
+        super().__init__(f"the key {key!r} appears twice (lines {first} and {again})")
+
+
 class NumberLoader(yaml.SafeLoader):
-    pass
+    def construct_mapping(self, node, deep=False):
+        # Only the keys written in this mapping count: a merge (``<<: *base``) may set a key the mapping overrides.
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise DuplicateKey(key, seen[key], line)
+                seen[key] = line
+            except TypeError:
+                continue  # an unhashable key: the base constructor says so in its own words
+        return super().construct_mapping(node, deep=deep)
 
 
 NumberLoader.yaml_implicit_resolvers = {
@@ -45,7 +66,7 @@ def load(text: str) -> Any:
     return yaml.load(text, Loader=NumberLoader)  # noqa: S506 - a SafeLoader subclass
 
 
-__all__ = ["NumberLoader", "load"]
+__all__ = ["DuplicateKey", "NumberLoader", "load"]
 
 
 def read_yaml(path: str | Path, what: str = "config file") -> Any:
@@ -68,6 +89,12 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
         ) from None
     try:
         return load(text)
+    except DuplicateKey as e:
+        lines = f"lines {e.first} and {e.again}" if e.first != e.again else f"line {e.again}"
+        raise UsageError(
+            f"The key {e.key!r} appears twice in the {what} {path} ({lines}); keep one, "
+            "since only the last would count."
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -449,7 +449,10 @@ class TestSettingsThatFailLater:
     @pytest.mark.parametrize("override, expected", BAD_SETTINGS)
     def test_a_grid_refuses_before_any_work(self, capsys, tmp_path, override, expected):
         key, value = override.split("=")
-        grid = write(tmp_path / "g.yaml", GRID.format(name="g") + f"  {key}: ['{value}']\n")
+        axis, seeds = f"  {key}: ['{value}']\n", "  train.seed: [0, 1]\n"
+        # A grid names each axis once: a bad seed replaces the grid's own seed axis.
+        body = GRID.format(name="g").replace(seeds, axis) if key == "train.seed" else GRID.format(name="g") + axis
+        grid = write(tmp_path / "g.yaml", body)
         line = fails(capsys, ["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "results")])
         assert expected in line
         assert not (tmp_path / "results").exists()

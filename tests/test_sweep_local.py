@@ -27,7 +27,10 @@ TINY_TRAIN = (
 
 
 def grid_file(tmp_path: Path, name: str, axes: str, extra_train: str = "") -> Path:
-    train = TINY_TRAIN[:-1] + (f", {extra_train}" if extra_train else "") + "}"
+    # A key of extra_train replaces TINY_TRAIN's own: a YAML mapping names each key once.
+    items = dict(part.split(": ", 1) for part in TINY_TRAIN.strip("{}").split(", "))
+    items.update(part.split(": ", 1) for part in extra_train.split(", ") if part)
+    train = "{" + ", ".join(f"{key}: {value}" for key, value in items.items()) + "}"
     path = tmp_path / f"{name}.yaml"
     path.write_text(
         textwrap.dedent(f"""
@@ -69,7 +72,7 @@ def test_local_sweep_trains_every_run(finished):
         assert (run_dir / "config.json").exists() and (run_dir / "ckpt" / "last.ckpt").exists()
         assert next(r for r in record["runs"] if r["run_id"] == rid)["job_id"] == str(job.job_id)
     # two learning rates are two different trainings, and the ids say which is which
-    assert [r.run_id.split("-s0-")[0] for r in sub.plan.runs] == ["preln-lr3e-3", "preln-lr0.01"]
+    assert [r.run_id.split("-s0-")[0] for r in sub.plan.runs] == ["preln-lr3e-3", "preln-lr1e-2"]
     losses = {r["run_id"]: r["val_loss"] for r in sub.rows}
     assert len(set(losses.values())) == 2
 

@@ -42,19 +42,20 @@ def run(args) -> int:
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from pathlib import Path
 
-    from harness.evaluation.evaluator import check_device, check_options, evaluate, parse_tasks, run_directory
+    from harness.evaluation.evaluator import check_device, check_options, check_tasks, evaluate, run_directory
     from harness.model.checkpoint import check_not_sweep
 
     check_not_sweep(Path(args.path))
     check_options(limit=args.limit, batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)
     check_device(args.device)
+    tasks = check_tasks(args.tasks)
     if args.dry_run:
         out = args.out or str(run_directory(Path(args.path)) / "eval")
         print(
             json.dumps(
                 {
                     "checkpoint": args.path,
-                    "tasks": parse_tasks(args.tasks),
+                    "tasks": tasks,
                     "limit": args.limit,
                     "batch_size": args.batch_size,
                     "device": args.device,
@@ -69,7 +70,7 @@ def run(args) -> int:
 
     results = evaluate(
         args.path,
-        args.tasks,
+        tasks,
         limit=args.limit,
         batch_size=args.batch_size,
         out_dir=args.out,

@@ -38,7 +38,7 @@ def add_parser(sub):
         type=float,
         metavar="SECONDS",
         help="refresh in place every SECONDS (default 5) with steps done/total and ETA per run; "
-        "exits when no run is queued or running",
+        "exits when no run is queued or running and no local sweep process will start one",
     )
     return p
 
@@ -83,7 +83,8 @@ def run(args) -> int:
             sys.stdout.write("\x1b[H\x1b[J")  # redraw in place
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
-        if not any(r["job_active"] for r in rows):
+        # Done when nothing runs and nothing will start: a pending run waits for its live sweep process.
+        if not any(r["job_active"] or r.get("will_start") for r in rows):
             return 0
         time.sleep(args.watch)
         rows = sweep_status(args.sweep, args.results)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from harness import preflight
 from harness.config import build_config, load_config, read_yaml
@@ -59,6 +60,19 @@ def check_overrides(items: list[str]) -> list[str]:
     return items
 
 
+def check_single_values(overrides: list[str]) -> None:
+    """Refuse ``train.lr=1e-3,3e-3``: one run takes one value, and a comma list means a sweep over them."""
+    from harness.sweeps.planning import split_choices
+
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if len(split_choices(value)) > 1:
+            raise UsageError(
+                f"{item!r} gives {key} several values, but comma lists are sweep axes: use `depthmem sweep` "
+                "to train one run per value (a list value is written in brackets, e.g. eval.tasks=[a,b])."
+            )
+
+
 def resolve(args):
     """The RunConfig the arguments describe: config file, then --preset/--variant, then the flags, then the
     KEY=VALUE overrides (``--set`` ones first)."""
@@ -81,10 +95,45 @@ def resolve(args):
     if train:
         layers.append({"train": train})
     overrides = check_overrides(list(getattr(args, "set_overrides", [])) + list(args.overrides))
+    check_single_values(overrides)
     if getattr(args, "wandb_project", None):
         overrides.append(f"train.wandb_project={args.wandb_project}")
     layers.append(overrides)
     return build_config(*layers, source=args.config or "command line")
+
+
+SHOWN_DIFFERENCES = 3
+"""Most differing keys named when --out holds another run; the rest are counted."""
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_same_run(out, cfg) -> None:
+    """Refuse an --out that holds a run of another model, before anything loads, naming the keys that differ."""
+    from harness import rundir
+
+    if not (out / "config.json").is_file():
+        return
+    old = _flat(rundir.identity(rundir.read_config(out)))
+    new = _flat(rundir.identity(cfg))
+    keys = [k for k in dict.fromkeys([*new, *old]) if old.get(k, "(unset)") != new.get(k, "(unset)")]
+    if not keys:
+        return
+    shown = "; ".join(f"{k}: {old.get(k, '(unset)')} → {new.get(k, '(unset)')}" for k in keys[:SHOWN_DIFFERENCES])
+    more = f"; and {len(keys) - SHOWN_DIFFERENCES} more" if len(keys) > SHOWN_DIFFERENCES else ""
+    raise UsageError(
+        f"{out} holds a run with a different config ({shown}{more}); give this run another --out directory, or "
+        f"start from the run's own settings (--config {out / 'config.json'}) to change only its logger, "
+        "evaluation or intervals."
+    )
 
 
 def run(args) -> int:
@@ -92,11 +141,14 @@ def run(args) -> int:
     problems = preflight.here(cfg)
     if problems:
         raise UsageError(problems[0])
+    if cfg.eval.tasks:  # a run directory's config names tasks that a sweep evaluates later: known ones only
+        from harness.evaluation.evaluator import check_tasks
+
+        check_tasks(cfg.eval.tasks)
+    check_same_run(Path(args.out), cfg)
     if args.dry_run:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from pathlib import Path
-
     from harness import tracking
     from harness.rundir import read_status, write_config
     from harness.training.trainer import train

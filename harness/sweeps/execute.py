@@ -20,7 +20,7 @@ from harness.io import atomic_write_json
 from harness.rundir import now_iso, read_status, read_sweep_record, write_status
 from harness.sweeps.grid import GridRun
 from harness.sweeps.job import RunJob
-from harness.sweeps.jobstate import run_rows, stop_local, sweep_status
+from harness.sweeps.jobstate import run_rows, stop_local, sweep_status, touch_sweep_process
 from harness.sweeps.planning import Plan
 from harness.sweeps.profiles import Profile
 
@@ -241,6 +241,7 @@ def _run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log,
                 _save_record(p, record, jobs)
                 log(f"started {r.run_id} (local job {job.job_id})")
             time.sleep(poll_s if running else 0)
+            touch_sweep_process(p.sweep_dir)
             for rid, job in list(running.items()):
                 if job.done():
                     del running[rid]

@@ -4,23 +4,27 @@ A run's row starts from what the run wrote (state, step, the step of its last ch
 corrected by what the scheduler knows: submitit's ``SlurmInfoWatcher`` (one ``sacct`` call for the whole sweep)
 on SLURM, the job's process on this machine. So a job killed from outside shows as failed or cancelled with the
 scheduler's reason, and a requeued job waiting to restart shows as ``requeued`` with the step it resumes from.
-Every row carries the command that moves it on (``advice``). Nothing here unpickles a file: the harness keeps
-what it needs in its own JSON, so reading a results folder from elsewhere cannot run code.
+A run a local sweep has not started yet has no job: it waits for the sweep's own process (recorded in
+``sweep-process.json``), and shows as ``orphaned`` once that process is gone. Every row carries the command that
+moves it on (``advice``). Nothing here unpickles a file: the harness keeps what it needs in its own JSON, so
+reading a results folder from elsewhere cannot run code.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError
-from harness.io import DiskFull
+from harness.io import DamagedFile, DiskFull, atomic_write_json, read_json
 from harness.rundir import DAMAGED, axis_label, now_iso, read_status, read_summary, read_sweep_record, write_status
 from harness.sweeps.grid import grid_name
+from harness.sweeps.tuning import TUNE_DIR
 
 # sacct states after which a job will not run again by itself.
 TERMINAL = (
@@ -39,6 +43,12 @@ TERMINAL = (
 REQUEUE_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
 STOP_GRACE_S = 30.0
 """Seconds a stopped local run has to write its checkpoint before its process group is killed."""
+SWEEP_PROCESS = "sweep-process.json"
+"""In a sweep folder while a local sweep starts its runs one window at a time: that process's pid, host and start
+time. Runs it has not started yet have no job of their own; when it is gone, nothing will start them."""
+HEARTBEAT_STALE_S = 300.0
+"""A sweep process on another host, whose pid cannot be checked from here, counts as gone once its record has not
+been touched for this long (it touches it at every poll)."""
 
 
 def default_root() -> Path:
@@ -104,6 +114,80 @@ def local_alive(job_id: str) -> bool:
             return b"submitit" in f.read()
     except OSError:
         return True
+
+
+def _start_ticks(pid: int) -> str | None:
+    """When the process started (clock ticks since boot): with the pid, what tells it from a later process that
+    was given the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _process_file(sweep_dir: Path) -> Path:
+    # A tuning stage's runs live in a folder inside the sweep's; the sweep's one process starts both.
+    sweep_dir = Path(sweep_dir)
+    parent = sweep_dir.parent
+    if sweep_dir.name == TUNE_DIR and ((parent / SWEEP_PROCESS).exists() or (parent / "sweep.json").exists()):
+        return parent / SWEEP_PROCESS
+    return sweep_dir / SWEEP_PROCESS
+
+
+def record_sweep_process(sweep_dir: Path) -> Path:
+    """Record this process as the one that starts the sweep's local runs."""
+    return atomic_write_json(
+        _process_file(sweep_dir),
+        {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "start_ticks": _start_ticks(os.getpid()),
+            "started": now_iso(),
+        },
+    )
+
+
+def touch_sweep_process(sweep_dir: Path) -> None:
+    """Show that the recorded sweep process still lives, for a reader on another host."""
+    try:
+        os.utime(_process_file(sweep_dir))
+    except OSError:
+        pass  # removed, or a file system that refuses: the pid check on this host does not need it
+
+
+def forget_sweep_process(sweep_dir: Path) -> None:
+    """Remove the record, if it is this process's: its runs have all been started or stopped."""
+    path = _process_file(sweep_dir)
+    try:
+        if (read_json(path) or {}).get("pid") == os.getpid():
+            path.unlink()
+    except (DamagedFile, OSError, AttributeError):
+        pass
+
+
+def sweep_process(sweep_dir: Path) -> dict[str, Any] | None:
+    """The recorded local sweep process of ``sweep_dir`` with ``alive`` set, or None when none is recorded."""
+    path = _process_file(sweep_dir)
+    try:
+        record = read_json(path)
+        touched = path.stat().st_mtime
+    except (DamagedFile, OSError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("pid"), int):
+        return None
+    pid = record["pid"]
+    if record.get("host") != socket.gethostname():
+        alive = time.time() - touched < HEARTBEAT_STALE_S
+    else:
+        try:
+            os.kill(pid, 0)
+            alive = record.get("start_ticks") in (None, _start_ticks(pid))
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            alive = True
+    return {**record, "alive": alive}
 
 
 def _group_alive(pgid: int) -> bool:
@@ -172,7 +256,7 @@ def advice(state: str, grid: str, resume_step: int | None) -> str:
     grid = grid or "GRID"
     if state in ("failed", "diverged"):
         return f"depthmem sweep {grid} --retry-failed"
-    if state in ("interrupted", "cancelled"):
+    if state in ("interrupted", "cancelled", "orphaned"):
         return f"depthmem sweep {grid}" + (f" (resumes from step {resume_step})" if resume_step else "")
     if state == "requeued":
         return "none: SLURM restarts it"
@@ -267,9 +351,12 @@ def run_rows(sweep_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
     entries = record.get("runs", [])
     slurm_ids = [str(e["job_id"]) for e in entries if e.get("job_id") and e.get("executor") == "slurm"]
     info = slurm_info(slurm_ids) if slurm_ids else {}
+    starter = sweep_process(sweep_dir)
     rows = []
     for e in entries:
         row = reconcile(sweep_dir, e["run_id"], e.get("job_id"), e.get("executor"), info, record.get("grid", ""))
+        if starter is not None and row["state"] == "pending" and not row["job_active"]:
+            _waiting_for(row, starter, record.get("grid", ""))
         row["variant"] = e.get("variant", "")
         overrides = dict(e.get("overrides") or {})
         # The grid's own order, as the dry run shows it, then keys only this run sets.
@@ -282,6 +369,20 @@ def run_rows(sweep_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
             row[key] = summary.get(key)
         rows.append(row)
     return rows
+
+
+def _waiting_for(row: dict[str, Any], starter: dict[str, Any], grid: str) -> None:
+    """A pending run without a job waits for the local sweep process to start it: it will start while that
+    process lives (``will_start``), and is ``orphaned`` once it is gone."""
+    if starter["alive"]:
+        row["will_start"] = True
+        return
+    row["state"] = "orphaned"
+    row["reason"] = (
+        f"the sweep process that would start it (pid {starter['pid']} on {starter.get('host') or 'an unknown host'}) "
+        "is gone"
+    )
+    row["advice"] = advice("orphaned", grid, row.get("resume_step"))
 
 
 def axis_columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -373,4 +474,8 @@ __all__ = [
     "cancel",
     "format_rows",
     "advice",
+    "record_sweep_process",
+    "touch_sweep_process",
+    "forget_sweep_process",
+    "sweep_process",
 ]

@@ -5,6 +5,7 @@ Nothing here submits a run, so a dry run (``depthmem sweep --dry-run``) and a su
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 
 from harness import preflight, tracking
 from harness.errors import DepthmemError, UsageError
+from harness.io import check_creatable
 from harness.rundir import read_sweep_record
 from harness.sweeps.grid import Grid, GridRun, axis_keys, check_tune, expand, load_grid
 from harness.sweeps.job import pending_tasks
@@ -34,6 +36,8 @@ class Plan:
     """run_id -> ``submit``, ``resume``, ``evaluate``, ``done``, ``queued``, ``failed`` (skipped), ``retry`` or
     ``waiting`` (for its cell's tuning runs)."""
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """What the dry run points out without refusing it: eval tasks that need the Hugging Face hub."""
     axes: list[str] = field(default_factory=list)
     backfill: list[str] = field(default_factory=list)
     """Finished runs whose ``train.logger`` has not seen their metrics; the submission sends them from metrics.csv."""
@@ -114,6 +118,7 @@ def plan(
     prof = load_profile(profile or grid.profile)
     runs = expand(grid, defaults=prof.config_layer())
     sweep_dir = Path(root or default_root()) / grid.name
+    keep_existing_ids(runs, sweep_dir)
     executor = executor or prof.executor
     parallelism = parallelism or grid.parallelism or prof.array_parallelism
     tuning_plan, waiting, entries = None, [], {}
@@ -124,6 +129,7 @@ def plan(
         cell_list = tuning.cells(grid, runs)
         by_cell = tuning.expand_tuning(grid, cell_list, defaults=prof.config_layer())
         tune_runs = [r for rs in by_cell.values() for r in rs]
+        keep_existing_ids(tune_runs, sweep_dir / tuning.TUNE_DIR)
         tuning_plan = Plan(
             grid,
             tune_runs,
@@ -136,12 +142,67 @@ def plan(
         _decide(tuning_plan, retry_failed)
         entries = tuning.selection(grid, cell_list, by_cell, tuning_plan.sweep_dir)
         ready, waiting = tuning.apply(grid, runs, cell_list, entries)
+        keep_existing_ids(ready, sweep_dir)
     p = Plan(grid, ready, prof, executor, sweep_dir, parallelism=parallelism, axes=axis_keys(grid))
     p.tuning, p.selection = tuning_plan, entries
     p.warnings = _check_corpus(p.runs) + preflight.for_executor([r.cfg for r in p.runs], p.executor)
+    check_needs(p)
     _decide(p, retry_failed, [r for r in ready if not any(r is w for w in waiting)])
     p.decisions.update({r.run_id: "waiting" for r in waiting})
     return p
+
+
+def _identity_suffix(rid: str) -> str:
+    # ``...-s0-3f2a9c1e``: the seed and the hash of what the run trains; the readable part before them may be
+    # written differently by another version of the harness.
+    return "-".join(rid.rsplit("-", 2)[-2:])
+
+
+def keep_existing_ids(runs: list[GridRun], folder: Path) -> None:
+    """Give a run whose id has no folder in ``folder`` the folder of the same seed and config hash, when exactly
+    one folder and one run have that ending: how the finished runs of a sweep whose ids were written under
+    another form of their readable part (``lr0.01`` for ``lr1e-2``) are found again instead of trained anew."""
+    try:
+        names = [e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith(".")]
+    except OSError:
+        return
+    folders: dict[str, list[str]] = {}
+    for name in names:
+        folders.setdefault(_identity_suffix(name), []).append(name)
+    suffixes = [_identity_suffix(r.run_id) for r in runs]
+    taken = set(names) & {r.run_id for r in runs}
+    for r, suffix in zip(runs, suffixes):
+        found = folders.get(suffix, [])
+        if r.run_id in names or len(found) != 1 or suffixes.count(suffix) != 1 or found[0] in taken:
+            continue
+        r.run_id = found[0]
+
+
+def check_needs(p: Plan) -> None:
+    """Refuse, in a dry run as in a submission, what would stop every run wherever it runs: eval tasks that
+    lm-eval does not know or whose data is missing, and a results folder that cannot be written.
+
+    What depends on the machine the runs go to (a GPU, a partition, the corpus) is in ``p.warnings``: a dry run
+    on a laptop shows it, a submission refuses it.
+    """
+    from harness.evaluation.evaluator import check_tasks
+    from harness.evaluation.tasks import SUITE, is_offline_name
+
+    tasks = list(dict.fromkeys(t for r in p.runs for t in r.cfg.eval.tasks))
+    if tasks:
+        try:
+            check_tasks(tasks)
+        except UsageError as e:
+            raise UsageError(f"eval.tasks in {p.grid.source}: {e}") from None
+    hub = [t for t in tasks if not is_offline_name(t)]
+    if hub:
+        twins = [f"{SUITE}_{t}" for t in hub if is_offline_name(f"{SUITE}_{t}")]
+        p.notes.append(
+            f"eval.tasks names {', '.join(hub)}, whose data lm-eval downloads from the Hugging Face hub: a node "
+            f"without the network evaluates {'it' if len(hub) == 1 else 'them'} only from a cached copy"
+            + (f" ({', '.join(twins)} read the same benchmark from disk)" if twins else "")
+        )
+    check_creatable(p.sweep_dir, "sweep folder")
 
 
 def _decide(p: Plan, retry_failed: bool, runs: list[GridRun] | None = None) -> None:

@@ -35,7 +35,7 @@ from harness.sweeps.execute import (
     _submit_arrays,
     _wait,
 )
-from harness.sweeps.jobstate import default_root, sweep_status
+from harness.sweeps.jobstate import default_root, forget_sweep_process, record_sweep_process, sweep_status
 from harness.sweeps.planning import Plan, apply_overrides, check_executor, plan  # noqa: F401
 
 LOCAL_RUNS_WITHOUT_ASKING = 4
@@ -119,6 +119,9 @@ def sweep(
             overrides=overrides,
         )
         p = replan()
+        if p.executor == "local" and wait:
+            # Runs not started yet have no job of their own: status tells by this record whether they will start.
+            record_sweep_process(p.sweep_dir)
         jobs: dict[str, Any] = {}
         if p.tuning is not None:
             tuned = _run_stage(p.tuning, lambda m: log(f"tuning stage: {m}"), wait, poll_s)
@@ -132,6 +135,7 @@ def sweep(
         sub.rows = sweep_status(p.sweep_dir)
         return sub
     finally:
+        forget_sweep_process(p.sweep_dir)
         lock.release()
 
 
