@@ -177,7 +177,7 @@ class TrainConfig:
     val_batches: int = 8
     ckpt_every_steps: int = 50
     max_grad_norm_diverge: float = 1e4
-    """A gradient norm above this (or a non-finite loss) stops the run as diverged."""
+    """A gradient norm above this, a non-finite gradient or a non-finite loss stops the run as diverged."""
     logger: str = "csv"
     """``csv``, ``tensorboard`` or ``wandb`` (CSV is always written)."""
     wandb_project: str = ""

@@ -19,7 +19,9 @@ from harness.data import corpus as D
 from harness.errors import RunFailed, UsageError
 from harness.model.checkpoint import load_model
 from harness.model.diagnostics import traced_forward
-from harness.training.optim import lr_factor, param_groups
+from harness.model.factory import build_model
+from harness.training import trainer as trainer_module
+from harness.training.optim import divergence, lr_factor, param_groups
 from harness.training.runfiles import METRICS_COLUMNS
 from harness.training.trainer import train
 
@@ -74,8 +76,6 @@ def test_lr_schedule_matches_closed_form():
 def test_weight_decay_only_on_matrices_and_mixer_linear_weights(variant):
     if variant not in variants.names():
         pytest.skip(f"{variant} is not registered")
-    from harness.model.factory import build_model
-
     model = build_model(tiny(1).model, variant)
     decay, no_decay = param_groups(model, 0.1)
     ids = [id(p) for g in (decay, no_decay) for p in g["params"]]
@@ -243,6 +243,37 @@ def test_divergence_stops_the_run_with_status(tmp_path):
     status = rundir.read_status(tmp_path / "run")
     assert status["state"] == "diverged" and status["step"] == 1
     assert not (tmp_path / "run" / "ckpt" / "last.ckpt").exists()
+
+
+def test_divergence_names_its_kind():
+    assert divergence(7, 5.25, 0.5, 1e4) is None
+    assert divergence(7, math.nan, math.nan, 1e4) == "diverged at step 7 (loss nan, gradient norm nan)"
+    assert divergence(7, math.inf, 3.0, 1e4) == "diverged at step 7 (loss inf, gradient norm 3)"
+    assert divergence(7, 5.25, math.nan, 1e4) == "stopped on a non-finite gradient at step 7 with finite loss 5.25"
+    assert divergence(7, 5.25, math.inf, 1e4) == "stopped on a non-finite gradient at step 7 with finite loss 5.25"
+    assert divergence(7, 5.25, 2e4, 1e4) == (
+        "diverged at step 7 (loss 5.25, gradient norm 2e+04 above train.max_grad_norm_diverge = 10000)"
+    )
+
+
+@pytest.mark.slow
+def test_a_non_finite_gradient_at_a_finite_loss_is_named_in_the_status(tmp_path, monkeypatch):
+    """A gradient that turns NaN while the loss stays finite, as a defect in a backward pass makes it (the third
+    step's gradient of the embedding here), stops the run under its own name, not as a loss that blew up."""
+    backward_passes = iter(range(1_000))
+
+    def with_a_nan_gradient(model_cfg, variant):
+        model = build_model(model_cfg, variant)
+        model.embed.weight.register_hook(lambda g: g * math.nan if next(backward_passes) == 2 else g)
+        return model
+
+    monkeypatch.setattr(trainer_module, "build_model", with_a_nan_gradient)
+    with pytest.raises(RunFailed, match=r"The run stopped on a non-finite gradient at step 3 with finite loss \d"):
+        train(tiny(5), tmp_path / "run")
+    status = rundir.read_status(tmp_path / "run")
+    assert status["state"] == "diverged" and status["step"] == 3
+    assert status["message"].startswith("stopped on a non-finite gradient at step 3 with finite loss ")
+    assert math.isfinite(status["last_loss"])
 
 
 @pytest.mark.slow

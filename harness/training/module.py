@@ -28,8 +28,8 @@ from harness.training.budget import seq_len_of
 from harness.training.optim import (
     accumulation,
     compiles,
+    divergence,
     global_grad_norm,
-    is_diverged,
     lr_factor,
     param_groups,
     rng_states,
@@ -136,8 +136,9 @@ class LitDecoder(pl.LightningModule):
         step = self.global_step + 1
         if step % self.cfg.train.val_every_steps == 0 or step == self.total:
             self.step_layer_grads = layer_grad_norms(self.model)
-        if is_diverged(loss, grad_norm, self.cfg.train.max_grad_norm_diverge):
-            self.diverged = {"step": step, "loss": loss, "grad_norm": grad_norm}
+        reason = divergence(step, loss, grad_norm, self.cfg.train.max_grad_norm_diverge)
+        if reason is not None:
+            self.diverged = {"step": step, "reason": reason}
             for p in self.model.parameters():
                 p.grad = None  # skip this update: the weights stay those of the last good step
             self.trainer.should_stop = True

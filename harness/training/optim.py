@@ -99,9 +99,18 @@ def global_grad_norm(grads: list[torch.Tensor], block: int = 4096) -> float:
     return float(total.sqrt())
 
 
-def is_diverged(loss: float, grad_norm: float, limit: float) -> bool:
-    """A non-finite loss or gradient norm, or a gradient norm above ``limit``."""
-    return not (math.isfinite(loss) and math.isfinite(grad_norm)) or grad_norm > limit
+def divergence(step: int, loss: float, grad_norm: float, limit: float) -> str | None:
+    """Why step ``step`` stops the run, or None: a non-finite loss, a non-finite gradient norm at a finite loss, or
+    a gradient norm above ``limit``. The second is named apart: a loss that is still finite says the model has not
+    blown up, so a NaN or inf in its gradient points at the backward pass's numerics, not at the learning rate."""
+    if not math.isfinite(loss):
+        return f"diverged at step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g})"
+    if not math.isfinite(grad_norm):
+        return f"stopped on a non-finite gradient at step {step} with finite loss {loss:.4g}"
+    if grad_norm > limit:
+        above = f"above train.max_grad_norm_diverge = {limit:g}"
+        return f"diverged at step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g} {above})"
+    return None
 
 
 def rng_states() -> dict:

@@ -391,7 +391,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     if module.diverged is not None:
         d = module.diverged
         kept = f"the last good checkpoint is {ckpt_path}" if ckpt_path.exists() else "no checkpoint was saved yet"
-        message = f"diverged at step {d['step']} (loss {d['loss']:.4g}, gradient norm {d['grad_norm']:.4g}); {kept}"
+        message = f"{d['reason']}; {kept}"
         if rank0:
             rundir.write_status(run_dir, "diverged", step=d["step"], last_loss=files.last_loss, message=message)
         raise RunFailed(f"The run {message}.")

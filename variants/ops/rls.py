@@ -53,8 +53,15 @@ def forgetting_factor(theta: torch.Tensor) -> torch.Tensor:
 
 
 def importance_weight(z: torch.Tensor) -> torch.Tensor:
-    """ω = 2·sigmoid(z), so ω = 1 at z = 0 and ω ∈ (0, 2)."""
-    return 2.0 * torch.sigmoid(z)
+    """ω = 2·sigmoid(z), so ω = 1 at z = 0 and ω ∈ [ε², 2), with ε the precision of z's dtype.
+
+    The floor keeps the gradient finite. ω enters the dual form through the ridge entry ``d = Π λ / (α ω)``, whose
+    derivative ``−d / ω`` leaves float32's range once ω falls under about 5e-20 (a logit near −45, which large
+    learning rates reach), while the loss, which hardly depends on such a write, stays finite: the gradient turns
+    inf, then NaN. At ω = ε² that derivative is at most ``1 / (α ε⁴)`` (5e27 / α in float32), and a write's share of
+    every later read, which scales with its ω, is far below the precision, so the floor changes no read that the
+    dtype can resolve, nor any gradient a step would register (the logit's is about ω)."""
+    return (2.0 * torch.sigmoid(z)).clamp_min(torch.finfo(z.dtype).eps ** 2)
 
 
 def initial_inverse_covariance(alpha: float, batch: tuple[int, ...], key_dim: int, *, dtype, device) -> torch.Tensor:
