@@ -98,3 +98,25 @@ def test_reconstruction_pins_the_weights(spec, rng_seed):
     solved = torch.linalg.lstsq(sources / scale, inputs).solution / scale.transpose(-1, -2)  # (b, t, g, s, r)
     expected = c.permute(0, 1, 4, 3, 2)  # (b, t, g, s, r)
     torch.testing.assert_close(solved, expected, rtol=1e-7, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "spec", ["ldm(residual_write=off,groups=4,key_dim=8)", "ldm-rls(residual_write=off,groups=4,key_dim=8)"]
+)
+def test_without_the_residual_write_outputs_are_read_through_the_memory_alone(spec, rng_seed):
+    """The outputs reach later layers only through memory reads, whose weights change sign from token to token: the
+    token-averaged matrix can show them near zero, the averaged magnitude (``matrix_abs``) does not."""
+    from harness.model.diagnostics import mixing_summary
+
+    model, _, c = _traced_perturbed(spec)
+    L = model.n_layers
+    # Recomputed by hand: the embedding's weight is one (x stays the embedding), each output's weight is its read's.
+    assert torch.equal(c[..., :, 0, :], torch.ones_like(c[..., :, 0, :]))
+    outputs = c[..., 1:, 1:, :]  # readers 1..L, sources v_0..v_{L-1}
+    below = torch.ones(L, L, dtype=torch.bool).tril()
+    assert (outputs[..., below, :].abs() > 0).all() and (outputs[..., ~below, :] == 0).all()
+    summary = mixing_summary(model, torch.randint(0, model.cfg.vocab_size, (2, T)))
+    magnitude = torch.tensor(summary["matrix_abs"], dtype=torch.float64)
+    mean = torch.tensor(summary["matrix"], dtype=torch.float64)
+    assert (magnitude[1:, 1:][below] > 0.01).all()
+    assert (magnitude >= mean.abs() - 1e-12).all()  # |mean| never exceeds the mean magnitude

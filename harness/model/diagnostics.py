@@ -44,7 +44,12 @@ def layer_grad_norms(model: Decoder) -> list[float]:
 
 @torch.no_grad()
 def mixing_summary(model: Decoder, idx: torch.Tensor) -> dict:
-    """The depth-mixing matrix on a batch, averaged over tokens: per group and over groups (JSON-ready)."""
+    """The depth-mixing matrix on a batch, averaged over tokens: per group and over groups (JSON-ready).
+
+    ``matrix`` is the mean weight; ``matrix_abs`` the mean of its magnitude per token and group. They differ where a
+    weight's sign changes from token to token, as a memory read's ``k_iᵀ q`` does: there the mean can be near zero
+    while every token reads the source with weight of order one, and only ``matrix_abs`` shows how much it is read.
+    """
     _, trace = traced_forward(model, idx)
     c = model.mixer.mixing_matrix(trace).double()  # (b, t, L+1, L+1, G)
     per_group = c.mean(dim=(0, 1))  # (L+1, L+1, G)
@@ -53,5 +58,6 @@ def mixing_summary(model: Decoder, idx: torch.Tensor) -> dict:
         "sources": ["embedding"] + [f"v{i}" for i in range(model.n_layers)],
         "groups": int(per_group.shape[-1]),
         "matrix": per_group.mean(-1).tolist(),
+        "matrix_abs": c.abs().mean(dim=(0, 1, 4)).tolist(),
         "per_group": per_group.permute(2, 0, 1).tolist(),
     }
