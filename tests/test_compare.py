@@ -184,3 +184,14 @@ def test_an_axis_only_one_sweep_varies_pairs_on_the_other_sweeps_fixed_value(swe
     )
     assert row["in"] == "both" and row["pairs"] == 3 and row["delta"] == pytest.approx(delta, rel=1e-9)
     assert _row(frame, "val_loss", "preln", 1e-3)["in"] == "A only"
+
+
+def test_a_file_a_sweep_cannot_read_is_noted_under_the_tables(sweeps, capsys):
+    root, _, _ = sweeps
+    broken = root / "change" / "preln-lr0.003" / "s9"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert cli_main(["compare", "base", "change", "--results", str(root)]) == 0
+    text = capsys.readouterr().out
+    assert "- B: Skipped preln-lr0.003/s9/config.json: it could not be read" in text
+    assert compare_sweeps(root / "change", root / "base").attrs["notes"][0].startswith("A: Skipped")

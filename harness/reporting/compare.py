@@ -57,7 +57,8 @@ def compare_sweeps(a: str | Path | Sweep, b: str | Path | Sweep) -> pd.DataFrame
     (``val_loss`` or ``downstream``), ``task`` (empty for the loss), ``variant``, one column per grid axis, ``in``
     (``both``, ``A only``, ``B only``), then per side the number of seeds and their mean, and the difference:
     ``delta``, its 95% interval ``low``–``high``, ``method``, ``pairs``, ``partial`` (the seed sets differ, only
-    the shared ones are paired), ``p`` and ``p_holm`` (Holm over the rows of the same table). Raises
+    the shared ones are paired), ``p`` and ``p_holm`` (Holm over the rows of the same table). ``attrs["notes"]``
+    lists the files either sweep could not read. Raises
     ``UsageError`` when no variant at the same grid values has a finished run in both sweeps.
     """
     sweeps = [s if isinstance(s, Sweep) else load_sweep(s) for s in (a, b)]
@@ -80,7 +81,10 @@ def compare_sweeps(a: str | Path | Sweep, b: str | Path | Sweep) -> pd.DataFrame
     for name in (VAL_LOSS, DOWNSTREAM):
         rows = frame["table"] == name
         frame.loc[rows, "p_holm"] = holm(frame.loc[rows, "p"])
-    return _with_axes(frame, columns)
+    frame = _with_axes(frame, columns)
+    # What could not be read changes what a row rests on, so it travels with the rows.
+    frame.attrs["notes"] = [f"{side}: {note}" for side, s in zip("AB", sweeps) for note in s.notes]
+    return frame
 
 
 def _final_loss(run: Run) -> float | None:
@@ -200,6 +204,8 @@ def to_markdown(frame: pd.DataFrame, a: str, b: str) -> str:
         "seeds are shared); † marks a row whose seed sets differ, so Δ rests on the shared seeds only. "
         "p: the t-test of no difference, Holm-adjusted over the rows of its table; * below 0.05."
     )
+    if frame.attrs.get("notes"):
+        parts.append("\n".join(f"- {note}" for note in frame.attrs["notes"]))
     return "\n\n".join(parts)
 
 
