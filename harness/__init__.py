@@ -31,6 +31,7 @@ _LAZY = {
     "expand_grid": "harness.sweeps.grid",
     "aggregate": "harness.reporting.results",
     "report": "harness.reporting.report",
+    "compare_sweeps": "harness.reporting.compare",
     "pack": "harness.reporting.archive",
     "bench": "harness.benchmarks.benchmark",
     "cost_table": "harness.model.costs",

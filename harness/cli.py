@@ -27,6 +27,7 @@ COMMANDS = [
     "eval",
     "lm_eval",
     "report",
+    "compare",
     "pack",
     "bench",
     "selftest",
