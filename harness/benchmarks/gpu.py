@@ -35,9 +35,9 @@ from harness.errors import UsageError
 from harness.io import atomic_write_text
 from harness.model.roofline import CARDS, Card, card_named, card_or_refuse
 
-SETTINGS = {  # preset, T, batch, the two depths, timed repeats, micro batches
-    "full": ("gpt2-small", 1024, 8, (24, 48), 5, (8, 16, 32, 64)),
-    "quick": ("tiny", 64, 4, (2, 4), 1, (2, 4)),
+SETTINGS = {  # preset, T, batch, the two depths, timed repeats, micro batches, untimed steps after the first
+    "full": ("gpt2-small", 1024, 8, (24, 48), 5, (8, 16, 32, 64), 1),
+    "quick": ("tiny", 64, 4, (2, 4), 1, (2, 4), 0),
 }
 
 
@@ -55,11 +55,11 @@ class Step:
 
 
 def _plan(args, out: Path, variants: list[str]) -> list[Step]:
-    preset, seq, batch, depths, repeats, batches = SETTINGS["quick" if args.quick else "full"]
+    preset, seq, batch, depths, repeats, batches, warmup = SETTINGS["quick" if args.quick else "full"]
     dtype = "bf16" if args.device.startswith("cuda") else "float32"
     worker = [sys.executable, "-m", "harness.benchmarks.gpu_steps"]
     common = ["--preset", preset, "--seq", str(seq), "--device", args.device, "--dtype", dtype]
-    common += ["--repeats", str(repeats), "--backend", args.backend]
+    common += ["--repeats", str(repeats), "--warmup", str(warmup), "--backend", args.backend]
     order = [(depths[0], "compiled"), (depths[0], "eager")]
     order += [(depths[1], "compiled"), (depths[1], "eager"), (depths[0], "compiled, kernels off")]
     steps = []
@@ -82,8 +82,21 @@ def _plan(args, out: Path, variants: list[str]) -> list[Step]:
     )
     check = ["--check-preset", "tiny", "--train-preset", "tiny"]
     if args.quick:
-        check += ["--train-steps", "6", "--bench-preset", "tiny", "--bench-seq", "32", "--bench-steps", "2"]
-    selftest = [*cli, "selftest", "--device", args.device, "--variants", ",".join(variants), *check]
+        check += [
+            "--train-steps",
+            "6",
+            "--bench-preset",
+            "tiny",
+            "--bench-seq",
+            "32",
+            "--bench-batch",
+            "2",
+            "--bench-steps",
+            "2",
+        ]
+    # --quick checks PreLN and the mixer with the most machinery; tests/test_selftest.py covers the self-check itself.
+    chosen = ["--variants", ",".join(variants)] if args.variants else (["--variants", "preln,ldm-rls"] * args.quick)
+    selftest = [*cli, "selftest", "--device", args.device, *chosen, *check]
     steps.append(Step("selftest", [*selftest, "--out", str(out / "selftest")]))
     return steps
 
@@ -92,7 +105,6 @@ def _run(step: Step, timeout: float, log_dir: Path) -> None:
     """Runs ``step`` in its own process group; kills the group at ``timeout`` seconds (its children too)."""
     if step.rows is not None:
         step.rows.parent.mkdir(parents=True, exist_ok=True)
-        step.rows.unlink(missing_ok=True)
     log_path = log_dir / (re.sub(r"[^A-Za-z0-9]+", "-", step.name).strip("-") + ".log")
     started, cpu = time.monotonic(), _children_cpu()
     with log_path.open("w") as log:
@@ -223,14 +235,14 @@ def _parse(argv):
     parser.add_argument(
         "--backend",
         default=None,
-        help="torch.compile backend (default: inductor; aot_eager, which traces the graphs without building "
-        "kernels, with --quick on CPU)",
+        help="torch.compile backend (default: inductor; with --quick on CPU eager, which traces each model as one "
+        "graph and runs it without building kernels)",
     )
     parser.add_argument("--card", default=None, help="the roofline's card (default: the CUDA device's name)")
     parser.add_argument("--minutes", type=float, default=8.0, help="the whole run's time limit (default: 8)")
     args = parser.parse_args(argv)
     args.device = args.device or ("cpu" if args.quick else "cuda")
-    args.backend = args.backend or ("aot_eager" if args.quick and args.device == "cpu" else "inductor")
+    args.backend = args.backend or ("eager" if args.quick and args.device == "cpu" else "inductor")
     if not args.minutes > 0:
         raise UsageError(f"--minutes must be a positive number, got {args.minutes}.")
     return args
@@ -262,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     preset, seq, batch = SETTINGS["quick" if args.quick else "full"][:3]
     head = [f"# GPU bench: {name}, torch {torch.__version__}", "", f"`{preset}`, T = {seq}, batch {batch}."]
     steps = _plan(args, out, variants)
+    for step in steps:  # rows of an earlier run in the same folder are not this run's
+        if step.rows is not None:
+            step.rows.unlink(missing_ok=True)
     for step in steps:
         left = deadline - time.monotonic()
         if left > 1:

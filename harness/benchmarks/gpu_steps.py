@@ -51,11 +51,12 @@ def _inputs(cfg, batch: int, seq_len: int, device: torch.device):
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def _measure(step, device: torch.device, repeats: int) -> dict:
+def _measure(step, device: torch.device, repeats: int, warmup: int) -> dict:
     started = time.perf_counter()
     step()  # compiles, where it does
     first_s = time.perf_counter() - started
-    step()
+    for _ in range(warmup):
+        step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = [time_steps(step, 1, device) for _ in range(repeats)]
@@ -81,7 +82,7 @@ def step_rows(args, emit) -> bool:
         model = build_model(cfg, name).to(device).train()
         forward = torch.compile(model, fullgraph=True, backend=args.backend) if compiled else model
         try:
-            row = _measure(step_fn(forward, idx, targets, args.dtype), device, args.repeats)
+            row = _measure(step_fn(forward, idx, targets, args.dtype), device, args.repeats, args.warmup)
         except Exception as e:  # a variant that fails to compile is a finding, not the end of the step
             row, ok = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, False
         emit({"depth": args.depth, "mode": args.mode, "variant": name, **row})
@@ -107,8 +108,8 @@ def micro_rows(args, emit) -> bool:
         torch._dynamo.mark_dynamic(targets, 0)
         step = step_fn(forward, idx, targets, args.dtype)
         try:
-            step()
-            step()
+            for _ in range(1 + args.warmup):
+                step()
             sec = statistics.median(time_steps(step, 1, device) for _ in range(args.repeats))
         except torch.OutOfMemoryError:
             emit({"batch": batch, "error": "out of memory"})
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", required=True)
     parser.add_argument("--dtype", required=True)
     parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (default: 1)")
     parser.add_argument("--backend", required=True)
     parser.add_argument("--variants", default="preln", help="variants separated by ';'")
     parser.add_argument("--depth", type=int)
