@@ -234,15 +234,16 @@ def roofline_table(model, specs=None, seq_len: int | None = None, dtype: str = "
         d_model=model.d_model,
         seq_len=seq_len or model.max_seq_len,
         dtype=dtype,
-        preln_floor_us={card.name: base.floor_s(card) * 1e6 for card in CARDS.values()},
+        preln_floor_ns={card.name: base.floor_s(card) * 1e9 for card in CARDS.values()},
     )
     return table
 
 
 def describe_roofline(table) -> str:
     """The roofline table for a reader: counts with SI prefixes, floors as multiples of PreLN's."""
+    import pandas as pd
+
     from harness import units
-    from harness.sweeps.jobstate import format_rows
 
     rows = []
     for r in table.to_dict(orient="records"):
@@ -253,10 +254,12 @@ def describe_roofline(table) -> str:
         row.update({card.name: f"{r[floor_column(card)]:.2f}x" for card in CARDS.values()})
         rows.append(row)
     a = table.attrs
-    preln = ", ".join(f"{name} {us:.3g} µs" for name, us in a["preln_floor_us"].items())
+    preln = ", ".join(f"{name} {ns:.4g} ns" for name, ns in a["preln_floor_ns"].items())
     head = (
         f"roofline at L = {a['n_layers']} sublayers, d = {a['d_model']}, T = {a['seq_len']}, depth state in "
         f"{a['dtype']} (step = forward + backward; floor of a step as a multiple of PreLN's, whose floor per token "
         f"is {preln})"
     )
-    return head + "\n" + format_rows(rows, list(rows[0]) if rows else [])
+    width = max((len(r["variant"]) for r in rows), default=0)
+    text = pd.DataFrame(rows).to_string(index=False, formatters={"variant": f"{{:<{width}}}".format})
+    return head + "\n" + text
