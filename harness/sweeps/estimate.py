@@ -4,7 +4,8 @@ Training FLOPs are three times the forward FLOPs of the cost model (``harness.mo
 and attention at the run's context, plus what the run's depth mixer adds), times the tokens the run trains on;
 the backward pass costs twice the forward. GPU-hours assume the profile's ``utilisation`` of one card's bf16
 peak (``gpu_peak_tflops``), so they are a planning number, not a measurement: the card's real utilisation
-depends on the variant, the micro batch and the interconnect.
+depends on the variant, the micro batch and the interconnect. Where ``make gpu-bench`` has timed a card of that peak,
+a run of a measured variant is priced at the measured rate instead (``harness.benchmarks.measured``).
 """
 
 from __future__ import annotations
