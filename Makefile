@@ -66,7 +66,8 @@ gpu-check: setup
 	$(BIN)/depthmem selftest --device cuda --out results/selftest
 
 # On a machine with a CUDA card, in an environment that has torch, Triton and the project's dependencies (no .venv:
-# that one holds a CPU build of torch): the speed targets' measurements, in under 8 minutes, into results/gpu-bench/.
+# that one holds a CPU build of torch): the speed targets' measurements into results/gpu-bench/, each step in its own
+# process; what finished within 8 minutes comes back, and a step that failed, timed out or was skipped exits non-zero.
 gpu-bench:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m harness.benchmarks.gpu --out results/gpu-bench
 

@@ -14,6 +14,10 @@ def add_parser(sub):
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--costs", action="store_true", help="print the cost model of every variant for a preset")
     p.add_argument("--preset", default="small", help="model preset for --costs (default: small)")
+    p.add_argument("--depth", type=int, help="--costs: sublayers of the roofline (default: the preset's)")
+    p.add_argument("--width", type=int, help="--costs: model width of the roofline (default: the preset's)")
+    p.add_argument("--seq", type=int, help="--costs: context of the roofline (default: the preset's)")
+    p.add_argument("--dtype", default="float32", help="--costs: depth state's dtype, float32 or bf16")
     return p
 
 
@@ -47,9 +51,15 @@ def run(args) -> int:
 
     if args.costs:
         from harness.model.costs import cost_table
+        from harness.model.roofline import describe_roofline, resized, roofline_table
 
         table = cost_table(args.preset)
-        print(json.dumps(table.to_dict(orient="records"), indent=2) if args.json else describe_costs(table))
+        model = resized(args.preset, args.depth, args.width)
+        roof = roofline_table(model, seq_len=args.seq, dtype=args.dtype)
+        if args.json:
+            print(json.dumps({"costs": table.to_dict(orient="records"), "roofline": roof.to_dict(orient="records")}))
+        else:
+            print(describe_costs(table) + "\n\n" + describe_roofline(roof))
         return 0
     info = variants.describe()
     if args.json:

@@ -4,7 +4,8 @@ Training FLOPs are three times the forward FLOPs of the cost model (``harness.mo
 and attention at the run's context, plus what the run's depth mixer adds), times the tokens the run trains on;
 the backward pass costs twice the forward. GPU-hours assume the profile's ``utilisation`` of one card's bf16
 peak (``gpu_peak_tflops``), so they are a planning number, not a measurement: the card's real utilisation
-depends on the variant, the micro batch and the interconnect.
+depends on the variant, the micro batch and the interconnect. Where ``make gpu-bench`` has timed a card of that peak,
+a run of a measured variant is priced at the measured rate instead (``harness.benchmarks.measured``).
 """
 
 from __future__ import annotations
@@ -56,12 +57,18 @@ def run_cost(cfg: RunConfig, *, peak_tflops: float, utilisation: float, _cache: 
 
 def sweep_cost(configs: Iterable[RunConfig], *, peak_tflops: float, utilisation: float) -> list[dict[str, Any]]:
     """``run_cost`` of every config (models of the same size and variant are counted once)."""
+    from harness.benchmarks.measured import apply_measured
+
     cache: dict = {}
-    return [run_cost(c, peak_tflops=peak_tflops, utilisation=utilisation, _cache=cache) for c in configs]
+    configs = list(configs)
+    costs = [run_cost(c, peak_tflops=peak_tflops, utilisation=utilisation, _cache=cache) for c in configs]
+    return apply_measured(configs, costs, peak_tflops)
 
 
 def describe_costs(runs, profile) -> str:
     """The dry run's cost block: one row per run, then the sweep's total and the hours each run takes."""
+
+    from harness.benchmarks.measured import basis_note
 
     costs = sweep_cost([r.cfg for r in runs], peak_tflops=profile.gpu_peak_tflops, utilisation=profile.utilisation)
     rows = [
@@ -79,9 +86,8 @@ def describe_costs(runs, profile) -> str:
     total_hours = sum(c["gpu_hours"] for c in costs)
     gpus = profile.nodes * profile.gpus_per_node
     lines = [
-        f"cost (training FLOPs = 3 x forward FLOPs of the cost model x tokens; GPU time at "
-        f"{profile.utilisation:.0%} of a {profile.gpu_peak_tflops:g} TFLOP/s bf16 peak, profile "
-        f"{profile.name}):",
+        f"cost (training FLOPs = 3 x forward FLOPs of the cost model x tokens; "
+        f"{basis_note(costs, profile.utilisation, profile.gpu_peak_tflops)}; profile {profile.name}):",
         format_rows(rows, ["run_id", "params", "steps", "tokens", "train_flops", "gpu_time"]),
         f"total: {len(costs)} run(s), {units.tokens(sum(c['tokens'] for c in costs))} tokens, "
         f"{total_flops:.3e} training FLOPs, {units.gpu_time(total_hours)}",

@@ -1,0 +1,67 @@
+"""GPU-hours from measurement: what the dry run's cost estimate uses where ``make gpu-bench`` has timed the card.
+
+``results/gpu-bench/steps.csv`` holds, per variant and depth, the model FLOP/s a compiled training step reached on a
+card (``model_tflops``: three times the forward FLOPs per token of the cost model, PreLN's and the mixer's, times the
+measured tokens/s). A run whose profile names a card of the same bf16 peak (``gpu_peak_tflops``) and whose variant
+was measured (the same canonical name, else its family's default) is priced at that rate, from the measured depth
+nearest its own: ``GPU-hours = training FLOPs / measured FLOP/s``, which is ``tokens / measured tokens/s`` when the
+run has the benchmark's shape. Every other run keeps the profile's assumed ``utilisation`` of the peak.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STEPS_CSV = Path(__file__).resolve().parents[2] / "results" / "gpu-bench" / "steps.csv"
+
+
+def measured_rates(peak_tflops: float, path: Path | None = None) -> tuple[str, dict[str, dict[int, float]]]:
+    """The benchmarked card with this bf16 peak and its compiled steps' model TFLOP/s by variant and depth;
+    ("", {}) when no benchmark of such a card exists."""
+    import pandas as pd
+
+    from harness.model.roofline import card_named
+
+    path = path or STEPS_CSV
+    if not path.exists():
+        return "", {}
+    frame = pd.read_csv(path)
+    if not {"card", "model_tflops", "mode", "variant", "depth"} <= set(frame.columns):
+        return "", {}
+    frame = frame[(frame["mode"] == "compiled") & frame.model_tflops.notna()]
+    frame = frame[[(c := card_named(str(n))) is not None and c.peak_tflops == peak_tflops for n in frame.card]]
+    rates: dict[str, dict[int, float]] = {}
+    for row in frame.itertuples():
+        rates.setdefault(row.variant, {})[int(row.depth)] = float(row.model_tflops)
+    return (str(frame.card.iloc[0]) if len(frame) else ""), rates
+
+
+def apply_measured(configs, costs: list[dict], peak_tflops: float, path: Path | None = None) -> list[dict]:
+    """``costs`` (one dict per run, from ``run_cost``) with ``gpu_hours`` from the measured rate where there is one,
+    and ``gpu_hours_basis`` naming what each one rests on."""
+    import variants
+
+    card, rates = measured_rates(peak_tflops, path)
+    for cfg, cost in zip(configs, costs):
+        spec = variants.spec(cfg.variant)
+        by_depth = rates.get(str(spec)) or rates.get(spec.name)
+        if not by_depth:
+            cost["gpu_hours_basis"] = "assumed"
+            continue
+        depth = min(by_depth, key=lambda d: (abs(d - cfg.model.n_layers), d))
+        cost["gpu_hours"] = cost["train_flops"] / (by_depth[depth] * 1e12) / 3600
+        cost["gpu_hours_basis"] = f"measured on {card}"
+    return costs
+
+
+def basis_note(costs: list[dict], utilisation: float, peak_tflops: float) -> str:
+    """What the GPU time of a table of runs rests on, in words."""
+    measured = sorted({c["gpu_hours_basis"] for c in costs} - {"assumed"})
+    assumed = sum(c["gpu_hours_basis"] == "assumed" for c in costs)
+    peak = f"{utilisation:.0%} of a {peak_tflops:g} TFLOP/s bf16 peak, assumed"
+    if not measured:
+        return f"GPU time at {peak} (no make gpu-bench of a card with this peak in results/gpu-bench)"
+    where = ", ".join(m.removeprefix("measured on ") for m in measured)
+    note = f"GPU time of {len(costs) - assumed} run(s) at the model FLOP/s their variant reached on {where} (make "
+    note += "gpu-bench, compiled, nearest depth)"
+    return note + (f", of {assumed} at {peak}" if assumed else "")
