@@ -197,13 +197,15 @@ def test_heatmaps_of_different_ranges_get_their_own_scale(drawn):
 
 
 def test_error_bars_of_variants_at_one_x_are_dodged(drawn):
-    fig = drawn["hyperparameters"]
-    fig.canvas.draw()
-    for ax in fig.axes:
+    for ax in [*drawn["hyperparameters"].axes, *drawn["depth"].axes]:
+        ax.get_figure().canvas.draw()
         lines = [c.lines[0] for c in ax.containers]  # each variant's error bar container, its data line first
         assert len(lines) >= 2
         on_screen = []
+        low, high = ax.get_ylim()
         for line in lines:
+            # Shifted artists must still set the view: every point inside it.
+            assert low <= np.min(line.get_ydata()) and np.max(line.get_ydata()) <= high, ax.get_title()
             xy = np.column_stack([np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)])
             on_screen.append(line.get_transform().transform(xy)[:, 0])
         for i in range(len(lines)):

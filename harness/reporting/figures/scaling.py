@@ -87,6 +87,11 @@ def _lines_with_intervals(ax, frame: pd.DataFrame, colours: dict[str, str], base
         halves = [0.0 if math.isnan(r[2]) else r[2] for r in stats_rows]
         colour = colours.get(variant, "black")
         ax.errorbar(xs, means, yerr=halves, marker="o", capsize=3, color=colour, label=variant, transform=transform)
+        # Artists drawn with a shifted transform do not widen the data limits themselves.
+        ax.update_datalim(
+            np.column_stack([xs + xs, np.subtract(means, halves).tolist() + np.add(means, halves).tolist()])
+        )
+    ax.autoscale_view()
 
 
 def _held_text(held: dict) -> str:
