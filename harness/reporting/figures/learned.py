@@ -43,7 +43,7 @@ def _depth_memory_runs(ctx: Context, key: str) -> tuple[dict[str, list[Run]], st
 @figure("lambda", needs="`depth_memory.lambda` in `summary.json` (LDM-RLS runs)")
 def learned_lambda(ctx: Context) -> tuple[Figure, str]:
     """What the memory learned: the forgetting factor λ of every layer and group as a heatmap, one panel per
-    variant (mean over seeds), all panels on one colour scale."""
+    variant (mean over seeds), on one colour scale unless their ranges differ widely."""
     by_variant, note = _depth_memory_runs(ctx, "lambda")
     order = variant_order(by_variant, ctx.ablation_reference)
     grids, dropped = {}, []

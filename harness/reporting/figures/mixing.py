@@ -58,8 +58,8 @@ def short_labels(names: list[str]) -> list[str]:
 
 @figure("mixing", needs="`mixing.json`")
 def mixing_matrices(ctx: Context) -> tuple[Figure, str]:
-    """The depth-mixing matrix of every variant as a heatmap, averaged over seeds, one panel per variant, all on
-    one colour scale."""
+    """The depth-mixing matrix of every variant as a heatmap, averaged over seeds, one panel per variant,
+    on one colour scale unless their ranges differ widely."""
     by_variant, candidates, shown = _mixing_runs(ctx, lambda r: isinstance(r.mixing.get("matrix"), list))
     if not by_variant:
         raise NoData("no finished run has a mixing.json with a matrix")
@@ -123,7 +123,8 @@ MAX_GROUP_PANELS = 16
 @figure("mixing_groups", needs="`mixing.json` with `per_group` (LDM and LDM-RLS runs)")
 def mixing_groups(ctx: Context) -> tuple[Figure, str]:
     """The depth-mixing matrix of every memory group of LDM and LDM-RLS (at their default knobs, and the ablation
-    reference), one row of panels per variant, averaged over seeds, all on one colour scale."""
+    reference), the groups of each variant in a block of at most four columns, averaged over seeds, on one colour
+    scale unless the variants' ranges differ widely."""
     reference = split_variant(ctx.ablation_reference)[0]
     by_variant, candidates, shown = _mixing_runs(
         ctx,
