@@ -29,6 +29,11 @@ def add_parser(sub):
         metavar="DIR",
         help="folder holding sweeps by name (default: $DEPTHMEM_RESULTS, else results)",
     )
+    p.add_argument(
+        "--figure",
+        metavar="NAME",
+        help="draw only this figure again (PNG and PDF under OUT/figures), leaving tables and REPORT.md as they are",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be read and written, then exit")
     return p
 
@@ -37,7 +42,7 @@ def run(args) -> int:
     from dataclasses import asdict
 
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
-    from harness.reporting.report import report, report_folder, resolve_target
+    from harness.reporting.report import redraw_figure, report, report_folder, resolve_target
 
     sweep_dir, spec = resolve_target(args.sweep, args.results_dir)
     if args.dry_run:
@@ -48,6 +53,10 @@ def run(args) -> int:
             "spec": asdict(spec),
         }
         print(json.dumps(plan, indent=2))
+        return 0
+    if args.figure:
+        for path in redraw_figure(sweep_dir, args.figure, out_dir=args.out, spec=spec, bench=args.bench):
+            print(path)
         return 0
     path = report(sweep_dir, out_dir=args.out, spec=spec, bench=args.bench)
     print(path)

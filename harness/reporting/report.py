@@ -236,6 +236,46 @@ def claims_section(ctx: report_items.Context) -> list[str]:
     return [*lines, ""]
 
 
+def _context(sweep: Sweep, spec: ReportSpec, bench_frame: pd.DataFrame | None) -> report_items.Context:
+    colours = figs.palette(
+        [r.variant for r in sweep.runs] + (list(bench_frame["variant"]) if bench_frame is not None else [])
+    )
+    return report_items.Context(
+        sweep,
+        baseline=spec.baseline,
+        ablation_reference=spec.ablation_reference,
+        bench=bench_frame,
+        colours=colours,
+        claims=spec.claims,
+    )
+
+
+def redraw_figure(
+    sweep_dir: str | Path,
+    name: str,
+    *,
+    out_dir: str | Path | None = None,
+    spec: ReportSpec | dict[str, Any] | None = None,
+    bench: str | Path | None = None,
+) -> list[Path]:
+    """Draw one figure again into ``<out_dir>/figures`` (PNG and PDF), leaving the tables and REPORT.md as they
+    are: for checking a figure's layout without rewriting the whole report."""
+    if name not in FIGURES:
+        raise UsageError(f"Unknown figure {name!r}. Allowed: {', '.join(FIGURES)}.")
+    spec = report_spec(spec)
+    sweep_dir = Path(sweep_dir)
+    sweep = load_sweep(sweep_dir)
+    if not sweep.runs:
+        raise UsageError(f"No run directories (folders with a config.json) under {sweep_dir}: nothing to draw.")
+    bench_frame = _find_bench(sweep_dir, bench if bench is not None else spec.bench, [])
+    try:
+        fig, _ = report_items.get("figure", name).fn(_context(sweep, spec, bench_frame))
+    except report_items.NoData as reason:
+        raise UsageError(f"Figure {name!r} cannot be drawn from {sweep_dir}: {reason}.") from None
+    figure_dir = writable_dir(report_folder(sweep_dir, out_dir), "report folder") / "figures"
+    return figs.save_figure(fig, figure_dir, name)
+
+
 def report(
     sweep_dir: str | Path,
     *,
@@ -274,17 +314,7 @@ def report(
     if spec.summary:
         lines[2:2] = [" ".join(spec.summary.split()), ""]
 
-    colours = figs.palette(
-        [r.variant for r in sweep.runs] + (list(bench_frame["variant"]) if bench_frame is not None else [])
-    )
-    ctx = report_items.Context(
-        sweep,
-        baseline=spec.baseline,
-        ablation_reference=spec.ablation_reference,
-        bench=bench_frame,
-        colours=colours,
-        claims=spec.claims,
-    )
+    ctx = _context(sweep, spec, bench_frame)
     lines += claims_section(ctx)
     skipped: list[str] = []
     for item in report_items.items("table"):

@@ -8,7 +8,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from harness.reporting.figures.common import figure_grid, finish, shared_legend
+from harness.reporting.figures.common import figure_grid, finish, shared_legend, wrapped
 from harness.reporting.items import Context, NoData, figure
 from harness.reporting.tables import variant_order
 
@@ -46,11 +46,12 @@ def loss_curves(ctx: Context) -> tuple[Figure, str]:
                 errorbar=("pi", 100),
                 ax=ax,
             )
-            ax.set(xlabel="tokens", ylabel="validation loss", title=setting or "validation loss")
+            ax.set(xlabel="tokens", ylabel="validation loss", title=wrapped(setting or "validation loss", 40))
         shared_legend(fig, axes)
     caption = (
         "Validation loss against training tokens; line: mean over seeds, band: minimum to maximum over "
-        "seeds. Finished runs only."
+        "seeds. Finished runs only. Each panel has its own loss scale: settings of different sizes reach "
+        "different losses."
     )
     return finish(fig), caption
 
@@ -76,7 +77,7 @@ def final_loss(ctx: Context) -> tuple[Figure, str]:
                 ax.errorbar(row["val_loss"], i, xerr=half, fmt="o", color=ctx.colours[row["variant"]], capsize=3)
             ax.set_yticks(range(len(sub)), sub["variant"])
             ax.invert_yaxis()
-            ax.set(xlabel="final validation loss", title=setting or "final validation loss")
+            ax.set(xlabel="final validation loss", title=wrapped(setting or "final validation loss"))
         # Panels are read side by side, so they share one loss scale.
         low, high = min(ax.get_xlim()[0] for ax in axes), max(ax.get_xlim()[1] for ax in axes)
         for ax in axes:

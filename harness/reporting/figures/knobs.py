@@ -8,8 +8,17 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-from harness.reporting.figures.common import figure_grid, finish, interval_text, main_setting, setting_note, sort_key
+from harness.reporting.figures.common import (
+    figure_grid,
+    finish,
+    interval_text,
+    main_setting,
+    setting_note,
+    sort_key,
+    wrapped,
+)
 from harness.reporting.items import Context, NoData, figure
 from harness.reporting.results import Run, split_variant
 from harness.reporting.stats import compare
@@ -119,7 +128,9 @@ def ablations(ctx: Context) -> tuple[Figure, str]:
             ax.axvline(0.0, color="0.3", lw=0.8, ls="--")
             ax.set_yticks(range(len(sub)), sub["value"])
             ax.invert_yaxis()
-            ax.set(xlabel=f"Δ loss vs {reference}", title=" + ".join(knob_label(k) for k in axis.split(" + ")))
+            ax.set(xlabel=f"Δ loss vs {reference}", title=wrapped(" + ".join(knob_label(k) for k in axis.split(" + "))))
+            # Four ticks at most: signed differences like −0.004 are wide labels.
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=4))
     methods = sorted(set(frame["method"]))
     caption = (
         f"Ablations against {reference}, one panel per knob the sweep changes: "

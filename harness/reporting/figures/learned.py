@@ -9,7 +9,16 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from harness.reporting.figures.common import figure_grid, finish, main_setting, setting_note, shared_legend
+from harness.reporting.figures.common import (
+    colour_limits,
+    figure_grid,
+    finish,
+    integer_ticks,
+    main_setting,
+    panel_title,
+    setting_note,
+    shared_legend,
+)
 from harness.reporting.items import Context, NoData, figure
 from harness.reporting.results import Run
 from harness.reporting.tables import variant_order
@@ -34,7 +43,7 @@ def _depth_memory_runs(ctx: Context, key: str) -> tuple[dict[str, list[Run]], st
 @figure("lambda", needs="`depth_memory.lambda` in `summary.json` (LDM-RLS runs)")
 def learned_lambda(ctx: Context) -> tuple[Figure, str]:
     """What the memory learned: the forgetting factor λ of every layer and group as a heatmap, one panel per
-    variant (mean over seeds), all panels on one colour scale."""
+    variant (mean over seeds), on one colour scale unless their ranges differ widely."""
     by_variant, note = _depth_memory_runs(ctx, "lambda")
     order = variant_order(by_variant, ctx.ablation_reference)
     grids, dropped = {}, []
@@ -44,24 +53,29 @@ def learned_lambda(ctx: Context) -> tuple[Figure, str]:
         if len(same) < len(mats):
             dropped.append(variant)
         grids[variant] = np.mean(same, axis=0)
-    vmin = min(float(np.nanmin(g)) for g in grids.values())
-    vmax = max(float(np.nanmax(g)) for g in grids.values())
-    if vmax - vmin < 1e-6:
-        vmin, vmax = vmin - 0.01, vmax + 0.01
+    limits = colour_limits(list(grids.values()))
+    shared = len(set(limits)) == 1
     fig, axes = figure_grid(len(order), ncols=min(len(order), 4), panel_size=(3.8, 3.2))
-    image = None
-    for ax, variant in zip(axes, order):
+    images = []
+    for ax, variant, (vmin, vmax) in zip(axes, order, limits):
+        if vmax - vmin < 1e-6:
+            vmin, vmax = vmin - 0.01, vmax + 0.01
         g = grids[variant]  # (layers, groups)
-        image = ax.imshow(g, aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax, interpolation="nearest")
-        ax.set(xlabel="group", ylabel="layer", title=variant)
-        ax.set_yticks(range(g.shape[0]))
-        ax.set_xticks(range(0, g.shape[1], max(1, g.shape[1] // 8)))
+        images.append(ax.imshow(g, aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax, interpolation="nearest"))
+        ax.set(xlabel="group", ylabel="layer")
+        panel_title(ax, variant)
+        # The cells' centres are the whole numbers: a layer or group index, never 0.5.
+        integer_ticks(ax.xaxis)
+        integer_ticks(ax.yaxis)
     finish(fig)
-    bar = fig.colorbar(image, ax=list(axes), label="λ (forgetting factor)", shrink=0.9)
-    bar.formatter.set_useOffset(False)  # λ near 1 reads as 0.99995, not as an offset
+    for image, ax in [(images[-1], list(axes))] if shared else zip(images, axes):
+        bar = fig.colorbar(image, ax=ax, label="λ (forgetting factor)" if shared else "λ", shrink=0.9)
+        bar.formatter.set_useOffset(False)  # λ near 1 reads as 0.99995, not as an offset
     caption = (
         "Learned forgetting factor λ per layer (rows) and memory group (columns) at the last validation, mean "
-        "over seeds; one colour scale for all panels." + note
+        "over seeds; "
+        + ("one colour scale for all panels." if shared else "each panel its own colour scale (their ranges differ).")
+        + note
     )
     if dropped:
         caption += f" Runs of another shape were left out for: {', '.join(dropped)}."
@@ -97,8 +111,10 @@ def lambda_seeds(ctx: Context) -> tuple[Figure, str]:
         for seed, per_seed in zip(seeds, stack.mean(axis=2)):
             ax.plot(layers, per_seed, marker="o", markersize=3, linewidth=1, label=f"seed {seed}")
         ax.axhline(LAMBDA_INIT, color="grey", linestyle="--", linewidth=1)
-        ax.set(xlabel="layer", ylabel="λ", title=variant)
+        ax.set(xlabel="layer", ylabel="λ")
+        panel_title(ax, variant)
         ax.ticklabel_format(axis="y", useOffset=False)
+        integer_ticks(ax.xaxis)
         moved = max(moved, float(np.abs(stack - LAMBDA_INIT).max()))
     shared_legend(fig, axes)
     caption = (
@@ -146,6 +162,7 @@ def omega_profile(ctx: Context) -> tuple[Figure, str]:
             )
             ax.plot(sub["layer"], sub["mean"], marker="o", color=colour, label=variant)
         ax.set(xlabel="layer", ylabel="ω (importance weight)", title="importance weights by layer")
+        integer_ticks(ax.xaxis)
         shared_legend(fig, axes)
     caption = (
         "Importance weight ω per layer at the last validation: line, mean over tokens averaged over seeds; "
@@ -197,6 +214,7 @@ def layer_profiles(ctx: Context) -> tuple[Figure, str]:
             ax.set(xlabel="layer", ylabel=label, title=f"{label} by depth")
             if frame[column].dropna().gt(0).all() and not frame[column].dropna().empty:
                 ax.set_yscale("log")
+            integer_ticks(ax.xaxis)
         shared_legend(fig, axes)
     caption = (
         "Per-layer output RMS and gradient norm at the last logged step (layers.csv); mean over seeds with "

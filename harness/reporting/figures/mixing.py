@@ -8,8 +8,17 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-from harness.reporting.figures.common import figure_grid, finish, main_setting, setting_note
+from harness.reporting.figures.common import (
+    colour_limits,
+    figure_grid,
+    finish,
+    main_setting,
+    panel_title,
+    setting_note,
+    wrapped,
+)
 from harness.reporting.items import Context, NoData, figure
 from harness.reporting.results import Run, split_variant
 from harness.reporting.tables import LDM_BASES, variant_order
@@ -49,8 +58,8 @@ def short_labels(names: list[str]) -> list[str]:
 
 @figure("mixing", needs="`mixing.json`")
 def mixing_matrices(ctx: Context) -> tuple[Figure, str]:
-    """The depth-mixing matrix of every variant as a heatmap, averaged over seeds, one panel per variant, all on
-    one colour scale."""
+    """The depth-mixing matrix of every variant as a heatmap, averaged over seeds, one panel per variant,
+    on one colour scale unless their ranges differ widely."""
     by_variant, candidates, shown = _mixing_runs(ctx, lambda r: isinstance(r.mixing.get("matrix"), list))
     if not by_variant:
         raise NoData("no finished run has a mixing.json with a matrix")
@@ -65,10 +74,11 @@ def mixing_matrices(ctx: Context) -> tuple[Figure, str]:
         m[np.tril_indices(m.shape[0], 0, m.shape[1])] if m.shape[0] == m.shape[1] else m.ravel()
         for m in matrices.values()
     ]
-    vmin = min(float(c.min()) for c in shown_cells)
-    vmax = max(float(c.max()) for c in shown_cells)
+    # Hyper-connection weights reach 4 where a depth memory's stay below 1: then each panel keeps its own scale.
+    limits = colour_limits(shown_cells)
+    shared = len(set(limits)) == 1
     fig, axes = figure_grid(len(order), ncols=min(len(order), 4), panel_size=(4.0, 3.4))
-    for i, (ax, variant) in enumerate(zip(axes, order)):
+    for i, (ax, variant, (vmin, vmax)) in enumerate(zip(axes, order, limits)):
         matrix = matrices[variant]  # (readers, sources)
         first = by_variant[variant][0].mixing
         readers, sources = first.get("readers"), first.get("sources")
@@ -87,18 +97,20 @@ def mixing_matrices(ctx: Context) -> tuple[Figure, str]:
             square=True,
             vmin=vmin,
             vmax=vmax,
-            cbar=i == len(order) - 1,
-            cbar_kws={"label": "mixing weight (shared scale)"},
+            cbar=not shared or i == len(order) - 1,
+            cbar_kws={"label": "mixing weight (shared scale)" if shared else "mixing weight"},
             # At most about a dozen labels per axis, whatever the depth, so they never run into each other.
             xticklabels=max(1, math.ceil(matrix.shape[1] / MAX_TICKS)),
             yticklabels=max(1, math.ceil(matrix.shape[0] / MAX_TICKS)),
         )
         ax.tick_params(labelsize=7, labelrotation=0)
-        ax.set(xlabel="source (e: embedding, n: output of layer n)", ylabel="reader (h: head)", title=variant)
+        ax.set(xlabel="source (e: embedding, n: output of layer n)", ylabel="reader (h: head)")
+        panel_title(ax, variant)
     caption = (
         "Depth-mixing matrices: entry (reader, source) is the weight with which a layer's input (or the "
-        "head's) contains the embedding or an earlier layer's output, averaged over tokens and seeds; one "
-        "colour scale for all panels." + setting_note(candidates, shown)
+        "head's) contains the embedding or an earlier layer's output, averaged over tokens and seeds; "
+        + ("one colour scale for all panels." if shared else "each panel its own colour scale (their ranges differ).")
+        + setting_note(candidates, shown)
     )
     if skipped:
         caption += f" Runs whose matrix shape differs were left out for: {', '.join(skipped)}."
@@ -111,7 +123,8 @@ MAX_GROUP_PANELS = 16
 @figure("mixing_groups", needs="`mixing.json` with `per_group` (LDM and LDM-RLS runs)")
 def mixing_groups(ctx: Context) -> tuple[Figure, str]:
     """The depth-mixing matrix of every memory group of LDM and LDM-RLS (at their default knobs, and the ablation
-    reference), one row of panels per variant, averaged over seeds, all on one colour scale."""
+    reference), the groups of each variant in a block of at most four columns, averaged over seeds, on one colour
+    scale unless the variants' ranges differ widely."""
     reference = split_variant(ctx.ablation_reference)[0]
     by_variant, candidates, shown = _mixing_runs(
         ctx,
@@ -127,35 +140,46 @@ def mixing_groups(ctx: Context) -> tuple[Figure, str]:
     stacks = {
         v: _mean_same_shape([np.asarray(r.mixing["per_group"], dtype=float) for r in by_variant[v]])[0] for v in order
     }  # (groups, readers, sources)
-    cols = min(MAX_GROUP_PANELS, max(s.shape[0] for s in stacks.values()))
-    vmin = min(float(np.nanmin(s)) for s in stacks.values())
-    vmax = max(float(np.nanmax(s)) for s in stacks.values())
-    fig, axes = figure_grid(len(order) * cols, ncols=cols, panel_size=(1.7, 1.7))
-    image = None
-    for r, variant in enumerate(order):
-        stack = stacks[variant]
-        for g in range(cols):
-            ax = axes[r * cols + g]
-            if g >= stack.shape[0]:
+    shown_groups = {v: min(MAX_GROUP_PANELS, stacks[v].shape[0]) for v in order}
+    cols = min(4, math.ceil(math.sqrt(max(shown_groups.values()))))
+    # Each variant starts a row of its own; its groups wrap into a near-square block of at most four columns.
+    rows = {v: math.ceil(shown_groups[v] / cols) for v in order}
+    fig, axes = figure_grid(sum(rows.values()) * cols, ncols=cols, panel_size=(2.4, 2.4))
+    limits = dict(zip(order, colour_limits([stacks[v] for v in order])))
+    shared = len(set(limits.values())) == 1
+    first_slot, bars = 0, []
+    for variant in order:
+        stack, slots = stacks[variant], axes[first_slot : first_slot + rows[variant] * cols]
+        first_slot += len(slots)
+        for g, ax in enumerate(slots):
+            if g >= shown_groups[variant]:
                 ax.set_axis_off()
                 continue
-            m = (
-                np.where(np.triu(np.ones(stack[g].shape, dtype=bool), k=1), np.nan, stack[g])
-                if stack[g].shape[0] == stack[g].shape[1]
-                else stack[g]
-            )
-            image = ax.imshow(m, cmap="mako", vmin=vmin, vmax=vmax, interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            ax.set_title(f"{variant} g{g}" if g == 0 else f"g{g}", fontsize=7)
+            _group_panel(ax, stack[g], limits[variant], f"{variant} g{g}" if g == 0 else f"g{g}")
+        drawn = [a for a in slots if a.images]
+        bars.append((drawn[0].images[0], drawn))
     finish(fig)
-    fig.colorbar(image, ax=list(axes), label="mixing weight (shared scale)", shrink=0.8)
+    for image, panels in [(bars[0][0], list(axes))] if shared else bars:
+        fig.colorbar(image, ax=panels, label="mixing weight" + (" (shared scale)" if shared else ""), shrink=0.8)
     caption = (
-        "Per-group depth-mixing matrices of the linear depth memory: in each panel rows are readers (layers, "
-        "then the head) and columns sources (the embedding, then layer outputs), averaged over tokens and "
-        "seeds; one colour scale for all panels."
+        "Per-group depth-mixing matrices of the linear depth memory: in each panel rows are readers (layer "
+        "indices, the last row the head) and columns sources (0 the embedding, n the output of layer n − 1), "
+        "averaged over tokens and seeds; "
+        + ("one colour scale for all panels." if shared else "one colour scale per variant (their ranges differ).")
     )
-    over = [v for v in order if stacks[v].shape[0] > cols]
+    over = [v for v in order if stacks[v].shape[0] > MAX_GROUP_PANELS]
     if over:
-        caption += f" Only the first {cols} groups are drawn for: {', '.join(over)}."
+        caption += f" Only the first {MAX_GROUP_PANELS} groups are drawn for: {', '.join(over)}."
     return fig, caption + setting_note(candidates, shown)
+
+
+def _group_panel(ax, matrix: np.ndarray, limits: tuple[float, float], title: str) -> None:
+    """One group's matrix, the cells above the diagonal (sources a reader cannot see) left blank, ticks at whole
+    cell indices."""
+    if matrix.shape[0] == matrix.shape[1]:
+        matrix = np.where(np.triu(np.ones(matrix.shape, dtype=bool), k=1), np.nan, matrix)
+    ax.imshow(matrix, cmap="mako", vmin=limits[0], vmax=limits[1], interpolation="nearest")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(nbins=4, integer=True))
+    ax.tick_params(labelsize=7)
+    ax.set_title(wrapped(title, 24), fontsize=8)

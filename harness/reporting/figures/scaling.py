@@ -10,7 +10,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from harness.reporting import frontier as fr
-from harness.reporting.figures.common import figure_grid, finish, shared_legend
+from harness.reporting.figures.common import dodged, figure_grid, finish, shared_legend
 from harness.reporting.items import Context, NoData, figure
 from harness.reporting.results import Run, Sweep
 from harness.reporting.stats import mean_ci
@@ -76,14 +76,22 @@ def axis_slice(sweep: Sweep, axis: str) -> tuple[pd.DataFrame, dict]:
 
 
 def _lines_with_intervals(ax, frame: pd.DataFrame, colours: dict[str, str], baseline: str) -> None:
-    """One line per variant through the mean at each x, with the 95% t-interval as error bars."""
-    for variant in variant_order(frame["variant"], baseline):
+    """One line per variant through the mean at each x, with the 95% t-interval as error bars; variants are set
+    side by side on screen so their bars at one x never cover each other."""
+    order = variant_order(frame["variant"], baseline)
+    for variant, transform in zip(order, dodged(ax, len(order))):
         sub = frame[frame["variant"] == variant]
         stats_rows = [(x, *mean_ci(g["loss"])) for x, g in sub.groupby("x")]
         xs = [r[0] for r in stats_rows]
         means = [r[1] for r in stats_rows]
         halves = [0.0 if math.isnan(r[2]) else r[2] for r in stats_rows]
-        ax.errorbar(xs, means, yerr=halves, marker="o", capsize=3, color=colours.get(variant, "black"), label=variant)
+        colour = colours.get(variant, "black")
+        ax.errorbar(xs, means, yerr=halves, marker="o", capsize=3, color=colour, label=variant, transform=transform)
+        # Artists drawn with a shifted transform do not widen the data limits themselves.
+        ax.update_datalim(
+            np.column_stack([xs + xs, np.subtract(means, halves).tolist() + np.add(means, halves).tolist()])
+        )
+    ax.autoscale_view()
 
 
 def _held_text(held: dict) -> str:
@@ -105,19 +113,22 @@ def hyperparameters(ctx: Context) -> tuple[Figure, str]:
     with sns.axes_style("whitegrid"):
         fig, axes = figure_grid(len(slices), ncols=min(len(slices), 3), panel_size=(4.4, 3.4))
         for ax, (name, (frame, held)) in zip(axes, slices.items()):
-            _lines_with_intervals(ax, frame, ctx.colours, ctx.baseline)
             xs = sorted(frame["x"].unique())
             # Learning rates are compared by ratio, as is any axis spanning more than a factor of ten.
             rate = ctx.sweep.axis_keys.get(name, name).rsplit(".", 1)[-1] in RATE_KEYS
-            if xs and xs[0] > 0 and (rate or xs[-1] / xs[0] > 10):
+            log = bool(xs and xs[0] > 0 and (rate or xs[-1] / xs[0] > 10))
+            _lines_with_intervals(ax, frame, ctx.colours, ctx.baseline)
+            if log:
                 ax.set_xscale("log")
+            elif all(float(x).is_integer() for x in xs):
+                ax.set_xticks(xs)  # a count (width, blocks): ticks at the values run, never between them
             ax.set(xlabel=name, ylabel="final validation loss", title=name)
             if held:
                 held_texts.append(f"{name}: {_held_text(held)}")
         shared_legend(fig, axes)
     caption = (
         "Final validation loss against each numeric axis of the grid; points: mean over seeds with the 95% "
-        "t-interval (none for one seed)."
+        "t-interval (none for one seed); variants at one value are set side by side."
     )
     if held_texts:
         caption += " Held fixed per panel — " + "; ".join(held_texts) + "."
@@ -141,7 +152,10 @@ def depth(ctx: Context) -> tuple[Figure, str]:
         axes[0].set_xticks(sorted(frame["x"].unique()))
         axes[0].set(xlabel="depth (layers: 2 × blocks)", ylabel="final validation loss", title="depth scaling")
         shared_legend(fig, axes)
-    caption = "Final validation loss against depth; mean over seeds with the 95% t-interval (none for one seed)."
+    caption = (
+        "Final validation loss against depth; mean over seeds with the 95% t-interval (none for one seed); "
+        "variants at one depth are set side by side."
+    )
     if held:
         caption += f" Held fixed: {_held_text(held)}."
     return finish(fig), caption
