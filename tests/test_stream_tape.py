@@ -1,5 +1,5 @@
-"""HC and mHC keep their ``n·d`` stream, and LDM with the outer-product write its residual ``x``, for backward at
-every ``segment``-th layer only (``variants/ops/tape.py``).
+"""LDM with the outer-product write keeps its residual ``x`` for backward at every ``segment``-th layer only
+(``variants/ops/tape.py``).
 
 The recomputed streams must be the forward's to the bit, whatever the segment, and what autograd saves must
 shrink by exactly the streams not kept, without a reference cycle that would hold a step's memory past its
@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from harness import build_model, model_preset
-from harness.benchmarks.memory import cpu_peak_allocated_bytes, saved_activation_bytes
+from harness.benchmarks.memory import cpu_peak_allocated_bytes
 from variants.ops import tape as tape_module
 
-SPECS = ["hc", "hc(dynamic=off)", "mhc", "mhc(expansion=3,sinkhorn_iters=4)", "ldm", "ldm(read=memory)", "ldm+chunk"]
+SPECS = ["ldm", "ldm(read=memory)", "ldm+chunk"]
 
 
 def _model(spec: str, n_blocks: int = 5):
@@ -48,7 +48,7 @@ def _loss_and_grads(model, idx, targets, *, segment, backward_twice=False):
 def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_stream(spec, rng_seed):
     model = _model(spec)  # L = 10 layers
     idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
-    assert model.mixer.segment() == 4  # the default: ⌈√10⌉ streams X_0..X_9, ⌈√11⌉ residuals x_0..x_10 in LDM
+    assert model.mixer.segment() == 4  # the default: ⌈√11⌉ residuals x_0..x_10
     want_loss, want = _loss_and_grads(model, idx, targets, segment=1)
     for segment in (2, 3, None, 7, 10, 25):
         loss, got = _loss_and_grads(model, idx, targets, segment=segment)
@@ -62,28 +62,6 @@ def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_s
     with torch.autograd.graph.save_on_cpu():
         _, hooked = _loss_and_grads(model, idx, targets, segment=3)
     assert all(torch.equal(g, w) for g, w in zip(hooked, want))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("spec", ["hc", "mhc"])
-def test_autograd_saves_only_the_kept_streams(spec, rng_seed):
-    # (LDM's residual is held by its query/key passes, not saved through autograd: the peak tests below see it.)
-    model = _model(spec)
-    b, t = 2, 16
-    idx, targets = torch.randint(0, 512, (b, t)), torch.randint(0, 512, (b, t))
-    stream_bytes = b * t * model.mixer.n * model.cfg.d_model * 4
-
-    def saved(segment):
-        model.mixer.stream_segment = segment
-        with saved_activation_bytes(exclude=list(model.parameters())) as counted:
-            F.cross_entropy(model(idx).flatten(0, 1), targets.flatten()).backward()
-        return counted["bytes"]
-
-    every = saved(1)
-    # L = 10, segments of 4: the streams before layers 0, 4 and 8 are kept, the other 7 recomputed. The count
-    # goes through the tape's hooks, so this also checks that they pass every other saved tensor on.
-    assert every - saved(4) == 7 * stream_bytes
-    assert every - saved(10) == 9 * stream_bytes
 
 
 @pytest.mark.parametrize("spec", ["ldm-rls", "ldm(qk_source=read)", "ldm(residual_write=off)", "ldm(read=residual)"])
@@ -102,12 +80,11 @@ def test_ldm_keeps_every_residual_where_recomputing_it_would_not_save_memory(spe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["mhc", "ldm"])
-def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(spec, rng_seed):
-    model = _model(spec, n_blocks=8)  # L = 16: 4 of 16 streams kept (LDM: 4 of 17), 3 recomputed at a time
+def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(rng_seed):
+    model = _model("ldm", n_blocks=8)  # L = 16: 4 of 17 residuals kept, 3 recomputed at a time
     b, t = 4, 64
     idx, targets = torch.randint(0, 512, (b, t)), torch.randint(0, 512, (b, t))
-    stream_bytes = b * t * getattr(model.mixer, "n", 1) * model.cfg.d_model * 4
+    stream_bytes = b * t * model.cfg.d_model * 4
 
     def peak(segment):
         model.mixer.stream_segment = segment
@@ -119,8 +96,7 @@ def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(spec, rng_seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["mhc", "ldm"])
-def test_the_tape_lives_no_longer_than_the_graph(spec, monkeypatch, rng_seed):
+def test_the_tape_lives_no_longer_than_the_graph(monkeypatch, rng_seed):
     tapes = []
     init = tape_module.Tape.__init__
 
@@ -129,7 +105,7 @@ def test_the_tape_lives_no_longer_than_the_graph(spec, monkeypatch, rng_seed):
         tapes.append(weakref.ref(self))
 
     monkeypatch.setattr(tape_module.Tape, "__init__", remember)
-    model = _model(spec)
+    model = _model("ldm")
     idx = torch.randint(0, 512, (2, 16))
     logits = model(idx)  # a forward whose graph is dropped without a backward
     assert tapes[-1]() is not None

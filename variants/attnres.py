@@ -8,32 +8,21 @@ before; keys are normalized, values are not, and there is no residual ``x + ...`
 head aggregates all ``L + 1`` sources with its own pseudo-query. Unpublished detail: the key RMSNorm has no
 gain, since a per-channel gain would only rescale ``w_l``.
 
-Two implementations compute the same function (``mixer.impl``). ``reference`` follows the formula: each read
-stacks every earlier key and value and attends over them, so autograd keeps a fresh (b, t, s, d) stack per read,
-O(L²·d) floats per token. ``fused``, the default, keeps every value once in one buffer and, because the query is
-input-independent, turns the logits into ``ρ_s (v_s · w_r)`` with ``ρ_s`` the key norm's scale: each value's logits
-for all later readers are one matrix product when it is written. A read is then a softmax over a row of that table
-and one batched product; its backward leaves ``∂a_r`` and the logits' gradients in buffers (``∂a_r`` over value
-``r + 1``, which no read still to run needs), and each write's backward collects its value's gradient from them at
-once (``FusedWrite``). Nothing per (read, source) pair is saved or allocated, and the outputs are let go of once
-copied into the buffer. tests/test_fast_paths.py holds it to the reference in float64.
-Axes: b batch, t time, d width, s source, r reader, n token (b·t flattened).
+Each key is normalized once, when its output is written; a read stacks the keys and values so far and attends over
+them, where the fused kernel runs as its one pass (``variants/kernels/softmax_read``, which takes the key norm
+itself). Eager, compiled and on GPU alike, autograd differentiates it. Axes: b batch, t time, d width, s source.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from variants import kernels
 from variants.base import DepthMixer, register
 from variants.kernels.softmax_read import softmax_read
-from variants.ops import _rms
-from variants.ops.tape import graph_kept
 
 
 def mix_dtype(x: torch.Tensor) -> torch.dtype:
@@ -76,155 +65,6 @@ def depth_attention(
 RMS_EPS = 1e-6
 
 
-def store_source(buf, v: torch.Tensor, queries: torch.Tensor, s: int, first: int) -> None:
-    """Keep source ``s`` in ``buf.values`` (n, sources, d), its key scale ``ρ_s`` in ``buf.scale`` and its logits
-    ``ρ_s v_s · w_r`` for readers ``first`` .. L in ``buf.logits`` (n, sources, readers): the pseudo-queries do not
-    depend on the input, so every later reader's logit is known when the source is written."""
-    n, _, d = buf.values.shape
-    x = v.reshape(n, d).to(buf.values.dtype)
-    buf.values[:, s] = x
-    rho = _rms(x, RMS_EPS)  # (n, 1)
-    buf.scale[:, s] = rho.squeeze(-1)
-    if first < buf.logits.shape[-1]:
-        buf.logits[:, s, first:] = (x @ queries[first - 1 :].to(x.dtype).mT) * rho
-
-
-def logits_backward(dv, g, rho, logits, x, queries, queries_grad: bool) -> torch.Tensor | None:
-    """Add into ``dv`` (n, d) what the logits ``ℓ_r = ρ (x · w_r)`` of one source ``x`` (n, d) pass back,
-    ``Σ_r g_r (ρ w_r − ρ² ℓ_r x / d)`` with ``g`` their gradients and ``ℓ`` their values (n, r'), ``ρ`` the key
-    norm's scale (n, 1), ``queries`` the readers' ``w_r`` (r', d); return the queries' share ``Σ_n g_r ρ x``
-    (r', d), or None when ``queries_grad`` is false."""
-    gr = g * rho
-    dv.addmm_(gr, queries)
-    c = (g * logits).sum(-1, keepdim=True) * rho.square() / x.shape[-1]
-    dv.addcmul_(c, x, value=-1.0)
-    return gr.mT @ x if queries_grad else None
-
-
-def add_logits_backward(buf, s: int, first: int, dv: torch.Tensor, queries_grad: bool) -> torch.Tensor | None:
-    """``logits_backward`` for source ``s`` of the buffers, its logits' gradients from ``buf.dlogits`` (n, sources,
-    readers); the queries' share is returned as a gradient of all of ``buf.queries``."""
-    x = buf.values[:, s]
-    queries = buf.queries[first - 1 :].to(x.dtype)
-    g, logits = buf.dlogits[:, s, first:], buf.logits[:, s, first:]
-    dw = logits_backward(dv, g, buf.scale[:, s, None], logits, x, queries, queries_grad)
-    if dw is None:
-        return None
-    dq = torch.zeros_like(buf.queries)
-    dq[first - 1 :] = dw.to(dq.dtype)
-    return dq
-
-
-class DepthBuffers:
-    """One forward pass of the fused path: every source's value and key scale, the logits of every (reader, source)
-    pair, the reads' softmax weights, and what the reads' backward passes leave for the writes' backward."""
-
-    def __init__(self, e: torch.Tensor, queries: torch.Tensor):
-        b, t, d = e.shape
-        n, L = b * t, queries.shape[0]
-        dt = mix_dtype(e)
-        self.shape, self.queries = (b, t, d), queries
-        # Source s at [:, s]: e, v_0, ..., v_{L-1}; the last row takes the head's ∂a in backward (``backward_buffers``).
-        self.values = e.new_empty(n, L + 2, d, dtype=dt)
-        self.scale = e.new_empty(n, L + 1, dtype=dt)  # ρ_s = 1 / sqrt(mean(v_s²) + eps)
-        self.logits = e.new_zeros(n, L + 1, L + 1, dtype=dt)  # [n, s, r] = ρ_s v_s · w_r for r ≥ max(s, 1)
-        self.weights = e.new_zeros(n, L + 1, L + 1, dtype=dt)  # [n, r, s] = softmax_s of reader r
-        self.dlogits: torch.Tensor | None = None  # [n, s, r], filled by the reads' backward passes
-        self.dreads: torch.Tensor | None = None  # [n, r, d] = ∂a_r
-        self.read_back: set[int] = set()  # the readers whose backward has run in this pass
-
-    @staticmethod
-    def first_reader(s: int) -> int:
-        """The first reader that needs source ``s``'s logit (reader 0 reads the embedding alone, with weight 1)."""
-        return max(s, 1)
-
-    def backward_buffers(self) -> None:
-        """Reader ``r``'s ``∂a_r`` goes over source ``r + 1``: the read's backward runs after the backward of source
-        ``r + 1``'s write (which the read's output produced), and only readers after ``r`` read that source. So the
-        values' memory holds the gradients, instead of a second buffer of fresh memory, slow to touch on CPU; a
-        backward that keeps the graph for another leaves the values alone and uses a buffer of its own."""
-        n, rows, d = self.values.shape
-        if self.dlogits is None:
-            self.dlogits = self.values.new_zeros(n, rows - 1, rows - 1)
-        if self.dreads is None:  # kept by a backward that kept the graph, for the next one
-            self.dreads = self.values.new_zeros(n, rows - 1, d) if graph_kept() else self.values[:, 1:]
-
-    def collected_reads(self, first: int) -> torch.Tensor:
-        """``∂a_r`` of readers ``first`` .. L, with zeros for any whose backward did not run."""
-        readers = self.dreads.shape[1]
-        for r in set(range(first, readers)) - self.read_back:
-            self.dreads[:, r].zero_()
-            self.read_back.add(r)
-        return self.dreads[:, first:]
-
-
-class FusedWrite(torch.autograd.Function):
-    """Source ``s`` into the buffers, returning a handle for the reads to take. Forward stores it and its logits
-    for every later reader; backward collects ``∂v_s = Σ_r p_rs ∂a_r + Σ_r g_rs (ρ_s w_r − ρ_s² ℓ_rs v_s / d)``
-    (``g`` the logits' gradients, ``ℓ`` the logits) and the queries' share ``∂w_r = Σ_n g_rs ρ_s v_s`` once every
-    read of it has run its backward."""
-
-    @staticmethod
-    def forward(ctx, v, queries, buf: DepthBuffers, s: int):
-        store_source(buf, v, queries, s, first=buf.first_reader(s))
-        ctx.buf, ctx.s, ctx.v_dtype = buf, s, v.dtype
-        ctx.set_materialize_grads(False)  # the reads return None for their sources
-        # The reads take the buffer's copy; an output is then let go of, and only its handle (empty) orders the
-        # backward passes. The embedding stays itself: reader 0 returns it.
-        return v.view_as(v) if s == 0 else v.new_empty(0)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dv_in):
-        buf, s = ctx.buf, ctx.s
-        S = buf.logits.shape[-1]  # readers
-        first = buf.first_reader(s)
-        dq = None
-        with torch.autocast(buf.values.device.type, enabled=False):
-            if first < S and buf.dreads is not None:
-                # Contiguous: a batched product on this strided column falls back to one call per token.
-                p = buf.weights[:, first:, s].contiguous().unsqueeze(1)  # (n, 1, r')
-                dv = torch.bmm(p, buf.collected_reads(first)).squeeze(1)  # Σ_r p_rs ∂a_r
-                if s == 0:  # the embedding's: the last write's backward of this pass
-                    buf.read_back.clear()
-                dq = add_logits_backward(buf, s, first, dv, ctx.needs_input_grad[1])
-            else:
-                dv = None
-        if dv is None:
-            return dv_in, dq, None, None
-        dv = dv.view(buf.shape).to(ctx.v_dtype)
-        return (dv if dv_in is None else dv.add_(dv_in)), dq, None, None
-
-
-class FusedRead(torch.autograd.Function):
-    """``a_r = Σ_{s≤r} softmax_s(ℓ_rs) v_s`` from the buffers; ``apply(buf, r, *sources)``, the sources passed only
-    so that autograd runs their writes' backward after this one."""
-
-    @staticmethod
-    def forward(ctx, buf: DepthBuffers, r: int, *sources):
-        p = torch.softmax(buf.logits[:, : r + 1, r], dim=-1)  # (n, s)
-        buf.weights[:, r, : r + 1] = p
-        a = torch.bmm(p.unsqueeze(1), buf.values[:, : r + 1]).squeeze(1)  # (n, d)
-        ctx.buf, ctx.r, ctx.n_sources = buf, r, len(sources)
-        return a.view(buf.shape)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, da):
-        buf, r = ctx.buf, ctx.r
-        n, _, d = buf.values.shape
-        buf.backward_buffers()
-        with torch.autocast(buf.values.device.type, enabled=False):
-            da = da.reshape(n, d).to(buf.values.dtype)
-            p = buf.weights[:, r, : r + 1]
-            # ∂a_rᵀ V_sᵀ rather than V_s ∂a_r: the same products, about twice as fast on CPU as batched matvecs.
-            dp = torch.bmm(da.unsqueeze(1), buf.values[:, : r + 1].mT).squeeze(1)  # v_s · ∂a_r, (n, s)
-            buf.dlogits[:, : r + 1, r] = p * (dp - (p * dp).sum(-1, keepdim=True))
-            buf.dreads[:, r] = da  # after the products above: it may go over source r + 1
-            buf.read_back.add(r)
-        return (None, None) + (None,) * ctx.n_sources
-
-
 @register("attnres")
 class AttnRes(DepthMixer):
     """Full Attention Residuals: softmax over all earlier outputs with a learned pseudo-query per layer."""
@@ -239,44 +79,22 @@ class AttnRes(DepthMixer):
         # Layer 0 sees only the embedding, where a softmax over one source is 1 whatever its query: it has none.
         self.queries = nn.Parameter(torch.zeros(n_layers, d_model))
 
-    impl: Literal["fused", "reference"] = "fused"
-
     def init_state(self, e):
-        # The fused path hands buffers between its autograd nodes outside the graph, which torch.compile cannot
-        # trace; a compiled model runs the reference form of the same math (tests/test_compile.py). Reads and
-        # writes follow the state's form, so they agree with the choice made here.
-        if self.impl == "reference" or torch.compiler.is_compiling() or kernels.runs_on(e.device):
-            # Values and their normalized keys; each key is computed once, when its output is written.
-            return [e], [rms_normalize(e)]
-        buf = DepthBuffers(e, self.queries)
-        return buf, [FusedWrite.apply(e, self.queries, buf, 0)]
+        # Values and their normalized keys; each key is computed once, when its output is written.
+        return [e], [rms_normalize(e)]
 
     def _read(self, state, reader: int):
-        if not isinstance(state[0], DepthBuffers):
-            values, keys = state
-            a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, values, self.trace)
-            self.record("weights", reader, weights)
-            return a
-        buf, sources = state
-        if reader == 0:  # the embedding alone, with weight 1
-            self.record("weights", 0, sources[0].new_ones(*buf.shape[:2], 1, dtype=buf.values.dtype))
-            return sources[0].to(buf.values.dtype)
-        with torch.autocast(buf.values.device.type, enabled=False):
-            a = FusedRead.apply(buf, reader, *sources[: reader + 1])
-        if self.trace is not None:
-            self.record("weights", reader, buf.weights[:, reader, : reader + 1].reshape(*buf.shape[:2], -1))
+        values, keys = state
+        a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, values, self.trace)
+        self.record("weights", reader, weights)
         return a
 
     def read(self, state, layer):
         return self._read(state, layer)
 
     def write(self, state, layer, out):
-        if not isinstance(state[0], DepthBuffers):
-            values, keys = state
-            return values + [out], keys + [rms_normalize(out)]
-        buf, sources = state
-        with torch.autocast(out.device.type, enabled=False):
-            return buf, sources + [FusedWrite.apply(out, self.queries, buf, layer + 1)]
+        values, keys = state
+        return values + [out], keys + [rms_normalize(out)]
 
     def read_head(self, state):
         return self._read(state, self.n_layers)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from variants.base import register
+from variants.ops import normalized_projection
 from variants.ops.streams import ExpandedStream, mix_dtype
 from variants.registry import knob
 
@@ -50,9 +51,8 @@ class HyperConnections(ExpandedStream):
             # Learned scales s_alpha (A_m, A_r) and s_beta (B) per layer; their gradient is zero only while W is.
             self.scale = nn.Parameter(torch.full((n_layers, 2), 0.01))
 
-    def weights(self, H: torch.Tensor, layer: int, grad=None):
-        """``A_m`` (b, t, k), ``A_r`` (b, t, k, j) and ``B`` (b, t, j) of ``layer`` for streams ``H`` (b, t, k, d);
-        ``grad`` as in ``connections``."""
+    def weights(self, H: torch.Tensor, layer: int):
+        """``A_m`` (b, t, k), ``A_r`` (b, t, k, j) and ``B`` (b, t, j) of ``layer`` for streams ``H`` (b, t, k, d)."""
         b, t, n, _ = H.shape
         dt = mix_dtype(H)
         am, ar, bw = (p[layer].to(dt) for p in (self.static_am, self.static_ar, self.static_b))
@@ -60,12 +60,12 @@ class HyperConnections(ExpandedStream):
             return am.expand(b, t, n), ar.expand(b, t, n, n), bw.expand(b, t, n)
         with torch.autocast(H.device.type, enabled=False):
             H = H.to(dt)
-            z = torch.tanh(self.normalized_projection(H, self.proj[layer].to(dt), grad=grad))  # (b, t, k, n + 2)
+            z = torch.tanh(normalized_projection(H, self.proj[layer].to(dt)))  # (b, t, k, n + 2)
         sa, sb = self.scale[layer].to(dt)
         return am + sa * z[..., 0], ar + sa * z[..., 1 : n + 1], bw + sb * z[..., n + 1]
 
-    def connections(self, H, layer, grad=None):
-        am, ar, bw = self.weights(H, layer, grad)
+    def connections(self, H, layer):
+        am, ar, bw = self.weights(H, layer)
         return am, ar.transpose(-1, -2), bw  # H ← A_r^T H: the shared stream code mixes with res = A_r^T
 
     def extra_flops_per_token(self):

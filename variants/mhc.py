@@ -19,78 +19,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from variants.base import register
-from variants.kernels import sinkhorn as sinkhorn_kernel
+from variants.kernels.sinkhorn import sinkhorn
+from variants.ops import normalized_projection
 from variants.ops.streams import ExpandedStream, mix_dtype
 from variants.registry import knob
 
 OFF_DIAGONAL_LOGIT = -8.0  # exp(-8) ≈ 3e-4: H^res starts within 1e-3 of the identity for n up to 4
-
-
-def sinkhorn_reference(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """A doubly stochastic matrix from ``exp(logits)`` (..., n, n): ``iters`` column then row normalizations, as
-    the spec writes them. The reference ``sinkhorn_knopp`` is tested against."""
-    # Sinkhorn is invariant to a common factor, so subtracting the max only guards exp against overflow.
-    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
-    for _ in range(iters):
-        m = m / m.sum(-2, keepdim=True)  # columns sum to 1
-        m = m / m.sum(-1, keepdim=True)  # rows sum to 1
-    return m
-
-
-def _sinkhorn_steps(logits: torch.Tensor, iters: int):
-    """The normalized matrix and every step's normalizers, for matrices laid out (j, k, tokens)."""
-    m = torch.exp(logits - logits.amax(dim=(0, 1), keepdim=True))
-    sums = []
-    for _ in range(iters):
-        for axis in (0, 1):  # columns (a sum over j), then rows (over k)
-            s = m.sum(axis, keepdim=True)
-            m = m / s
-            sums.append(s)
-    return m, sums
-
-
-class SinkhornKnopp(torch.autograd.Function):
-    """``sinkhorn_reference`` with its backward written out, on matrices laid out (j, k, tokens).
-
-    Per token the matrices are n×n with n ≤ 8: with the tokens on the last axis every sum over rows or columns is
-    a reduction over a short leading axis of long contiguous rows, about ten times faster than over the trailing
-    n (docs/notes/benchmark-history.md, "What the fast paths changed"). Only the logits are kept for backward (n²
-    floats per token, against 2·iters·n normalizers): backward runs the iterations again, which repeats the
-    forward to the bit, then walks the steps in reverse, undoing a step ``m' = m / s`` as ``m = m' s`` (to
-    rounding). The gradient of a normalization is ``dm = (dm' − Σ_axis dm' ⊙ m') / s``.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, iters: int):
-        ctx.iters = iters
-        ctx.save_for_backward(logits)
-        return _sinkhorn_steps(logits, iters)[0]
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dm):
-        (logits,) = ctx.saved_tensors
-        m, sums = _sinkhorn_steps(logits, ctx.iters)
-        dm = dm.contiguous()  # it arrives in the caller's (..., j, k) layout; the loop wants tokens last
-        for step in reversed(range(len(sums))):
-            axis, s = step % 2, sums[step]
-            dm = (dm - (dm * m).sum(axis, keepdim=True)) / s
-            m = m * s  # the matrix before this normalization
-        # m is now exp(logits - max): d exp = exp. The max is a common factor Sinkhorn removes; it gets no gradient.
-        return dm * m, None
-
-
-def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """``sinkhorn_reference(logits, iters)`` for logits (..., n, n), computed by the fused kernel where it runs
-    (``variants/kernels/sinkhorn/``), else by ``SinkhornKnopp``."""
-    if sinkhorn_kernel.fused_runs(logits):
-        flat = logits.reshape(-1, *logits.shape[-2:])
-        return sinkhorn_kernel.sinkhorn(flat, iters).view(logits.shape)
-    tokens_last = logits.movedim((-2, -1), (0, 1)).contiguous()  # (j, k, ...)
-    return SinkhornKnopp.apply(tokens_last, iters).movedim((0, 1), (-2, -1))
 
 
 @register("mhc")
@@ -123,23 +59,21 @@ class ManifoldHyperConnections(ExpandedStream):
         b_res = torch.full((n, n), OFF_DIAGONAL_LOGIT).fill_diagonal_(0.0)
         self.bias = nn.Parameter(torch.cat([torch.zeros(2 * n), b_res.flatten()]).repeat(n_layers, 1))
 
-    def coefficients(self, X: torch.Tensor, layer: int, grad=None):
-        """``H^pre`` (b, t, k), ``H^post`` (b, t, j) and ``H^res`` (b, t, j, k) of ``layer`` for streams ``X``;
-        ``grad`` as in ``connections``."""
+    def coefficients(self, X: torch.Tensor, layer: int):
+        """``H^pre`` (b, t, k), ``H^post`` (b, t, j) and ``H^res`` (b, t, j, k) of ``layer`` for streams ``X``."""
         b, t, n, _ = X.shape
         dt = mix_dtype(X)
         with torch.autocast(X.device.type, enabled=False):
             # RMSNorm(vec(X)) φ, (b, t, n·n + 2n): the norm over all n·d channels of a token at once.
-            z = self.normalized_projection(X.to(dt), self.phi[layer].to(dt), dims=2, grad=grad)
+            z = normalized_projection(X.to(dt), self.phi[layer].to(dt), dims=2)
         alpha, bias = self.alpha[layer].to(dt), self.bias[layer].to(dt)
         pre = torch.sigmoid(alpha[0] * z[..., :n] + bias[:n])
         post = 2.0 * torch.sigmoid(alpha[1] * z[..., n : 2 * n] + bias[n : 2 * n])
-        res_logits = (alpha[2] * z[..., 2 * n :] + bias[2 * n :]).view(b, t, n, n)  # (b, t, j, k)
-        project = sinkhorn_reference if self.impl == "reference" else sinkhorn_knopp
-        return pre, post, project(res_logits, self.iters)
+        res_logits = (alpha[2] * z[..., 2 * n :] + bias[2 * n :]).view(b * t, n, n)  # (b·t, j, k)
+        return pre, post, sinkhorn(res_logits, self.iters).view(b, t, n, n)
 
-    def connections(self, X, layer, grad=None):
-        pre, post, res = self.coefficients(X, layer, grad)
+    def connections(self, X, layer):
+        pre, post, res = self.coefficients(X, layer)
         return pre, res, post
 
     def extra_flops_per_token(self):

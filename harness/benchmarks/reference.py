@@ -1,5 +1,6 @@
 """The straightforward implementation each variant is measured beside: its mixer's reference ``impl``, or for
-PreLN the plain pre-norm trunk written out on the decoder's own blocks.
+PreLN the plain pre-norm trunk written out on the decoder's own blocks. A mixer that runs one implementation (no
+``impl``) has none.
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ import torch.nn.functional as F
 BASELINE = "preln"
 
 
-# Every mixer's fast path is measured beside the straightforward implementation of its own math, selected by
-# ``mixer.impl``: ``"reference"`` unless the class names another in ``reference_impl`` or below. PreLN's reference
-# is the plain pre-norm trunk (``PlainPreLN``).
+# A mixer with more than one implementation is measured beside the straightforward one of its own math, the
+# ``mixer.impl`` named below. PreLN's reference is the plain pre-norm trunk (``PlainPreLN``).
 REFERENCE = ":reference"
 
 
@@ -27,7 +27,7 @@ def reference_impl(name: str, mixer) -> str | None:
     """The ``impl`` of ``mixer`` that is the straightforward form of its math, or None when it has no other."""
     if not hasattr(mixer, "impl"):
         return None
-    return getattr(mixer, "reference_impl", None) or REFERENCE_IMPLS.get(base_name(name), "reference")
+    return REFERENCE_IMPLS.get(base_name(name))
 
 
 class PlainPreLN(torch.nn.Module):

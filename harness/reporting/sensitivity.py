@@ -18,7 +18,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from harness.reporting.figures.common import figure_grid, shared_legend
+from harness.reporting.figures.common import dodged, figure_grid, shared_legend
 from harness.reporting.items import Context, NoData, figure, table
 from harness.reporting.results import split_variant
 from harness.reporting.stats import mean_ci
@@ -252,7 +252,9 @@ def lr_sensitivity_figure(ctx: Context) -> tuple[Figure, str]:
         fig, axes = figure_grid(len(settings), ncols=min(len(settings), 3), panel_size=(4.6, 3.4))
         for ax, setting in zip(axes, settings):
             mine = {c.variant: c for c in found if c.setting == setting}
-            for variant in variant_order(mine, split_variant(ctx.baseline)[0]):
+            ax.set_xscale("log")  # before the dodge, whose shifts ride on the axis's own transform
+            order = variant_order(mine, split_variant(ctx.baseline)[0])
+            for variant, transform in zip(order, dodged(ax, len(order))):
                 curve = mine[variant]
                 points = [(v, *mean_ci(x for x in curve.losses[v] if x is not None)[:2]) for v in curve.values]
                 points = [(v, m, h) for v, m, h in points if math.isfinite(curve.mean(v))]
@@ -260,10 +262,32 @@ def lr_sensitivity_figure(ctx: Context) -> tuple[Figure, str]:
                     continue
                 x, y, half = (np.array(col, dtype=np.float64) for col in zip(*points))
                 colour = ctx.colours.get(variant)
-                ax.errorbar(x, y, yerr=np.nan_to_num(half), marker="o", ms=4, capsize=3, color=colour, label=variant)
+                ax.errorbar(
+                    x,
+                    y,
+                    yerr=np.nan_to_num(half),
+                    marker="o",
+                    ms=4,
+                    capsize=3,
+                    color=colour,
+                    label=variant,
+                    transform=transform,
+                )
                 if curve.chosen is not None and math.isfinite(curve.mean(curve.chosen)):
-                    ax.plot([curve.chosen], [curve.mean(curve.chosen)], "o", ms=11, mfc="none", color=colour)
-            ax.set_xscale("log")
+                    ax.plot(
+                        [curve.chosen],
+                        [curve.mean(curve.chosen)],
+                        "o",
+                        ms=11,
+                        mfc="none",
+                        color=colour,
+                        transform=transform,
+                    )
+                # Artists drawn with a shifted transform do not widen the data limits themselves.
+                ax.update_datalim(
+                    np.column_stack([np.r_[x, x], np.r_[y - np.nan_to_num(half), y + np.nan_to_num(half)]])
+                )
+            ax.autoscale_view()
             rates = sorted({v for c in mine.values() for v in c.values})
             ax.set_xticks(rates, labels=[f"{v:g}" for v in rates])
             ax.minorticks_off()  # the rates tried are the ticks: log-scale minor labels would crowd them
