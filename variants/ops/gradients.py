@@ -1,11 +1,10 @@
 """A tensor's gradient summed in place by every node that used it, handed to autograd once.
 
-Where one tensor is read by many custom nodes (each depth read reads every earlier write; HC's and mHC's read,
-write and connections each use a layer's stream), autograd gives every (reader, tensor) pair a fresh gradient
-tensor and then adds them up: one allocation and two more passes over the tensor per pair (for the depth reads
-O(L²) of them over the depth), the largest cost of such a backward on CPU. Instead the tensor passes once through
-``Gathered``, the readers add their share into its ``GradientSum`` and return None for it, and ``Gathered``'s
-backward, which autograd runs only after every reader's, returns the sum.
+Where one tensor is read by many custom nodes (HC's and mHC's read, write and connections each use a layer's
+stream), autograd gives every (reader, tensor) pair a fresh gradient tensor and then adds them up: one allocation
+and two more passes over the tensor per pair, the largest cost of such a backward on CPU. Instead the tensor passes
+once through ``Gathered``, the readers add their share into its ``GradientSum`` and return None for it, and
+``Gathered``'s backward, which autograd runs only after every reader's, returns the sum.
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
 A mixer whose stream after layer ``l`` is a fixed function of the stream before it and of that layer's write,
 ``X_{l+1} = step(X_l, *write_l)``, need not let autograd keep every ``X_l``: the writes are kept anyway (the
 graph needs them for their own gradients), so backward can run ``step`` again from the nearest kept stream.
-HC and mHC use it for their ``n·d`` stream (``step`` is ``res X + post ⊗ v``), LDM for its residual ``x`` (``step``
-is ``x + v``). The recomputation repeats the forward's own operations on the same inputs, so it is bit for bit
-the stream of the forward pass.
+HC and mHC use it for their ``n·d`` stream (``step`` is ``res X + post ⊗ v``). The recomputation repeats the
+forward's own operations on the same inputs, so it is bit for bit the stream of the forward pass.
 """
 
 from __future__ import annotations
