@@ -1,5 +1,4 @@
-"""HC and mHC keep their ``n·d`` stream, and LDM with the outer-product write its residual ``x``, for backward at
-every ``segment``-th layer only (``variants/ops/tape.py``).
+"""HC and mHC keep their ``n·d`` stream for backward at every ``segment``-th layer only (``variants/ops/tape.py``).
 
 The recomputed streams must be the forward's to the bit, whatever the segment, and what autograd saves must
 shrink by exactly the streams not kept, without a reference cycle that would hold a step's memory past its
@@ -19,14 +18,11 @@ from harness import build_model, model_preset
 from harness.benchmarks.memory import cpu_peak_allocated_bytes, saved_activation_bytes
 from variants.ops import tape as tape_module
 
-SPECS = ["hc", "hc(dynamic=off)", "mhc", "mhc(expansion=3,sinkhorn_iters=4)", "ldm", "ldm(read=memory)", "ldm+chunk"]
+SPECS = ["hc", "hc(dynamic=off)", "mhc", "mhc(expansion=3,sinkhorn_iters=4)"]
 
 
 def _model(spec: str, n_blocks: int = 5):
-    spec, chunked = spec.removesuffix("+chunk"), spec.endswith("+chunk")
     model = build_model(model_preset("tiny", n_blocks=n_blocks), spec)
-    if chunked:  # the chunkwise read, which folds every 3 writes into a carried memory
-        model.mixer.chunk = 3
     with torch.no_grad():  # away from the initialization, where several connections are exactly trivial
         for p in model.mixer.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -48,7 +44,7 @@ def _loss_and_grads(model, idx, targets, *, segment, backward_twice=False):
 def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_stream(spec, rng_seed):
     model = _model(spec)  # L = 10 layers
     idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
-    assert model.mixer.segment() == 4  # the default: ⌈√10⌉ streams X_0..X_9, ⌈√11⌉ residuals x_0..x_10 in LDM
+    assert model.mixer.segment() == 4  # the default: ⌈√10⌉ for the streams X_0..X_9
     want_loss, want = _loss_and_grads(model, idx, targets, segment=1)
     for segment in (2, 3, None, 7, 10, 25):
         loss, got = _loss_and_grads(model, idx, targets, segment=segment)
@@ -67,7 +63,6 @@ def test_every_segment_length_gives_the_forward_and_gradients_of_keeping_every_s
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["hc", "mhc"])
 def test_autograd_saves_only_the_kept_streams(spec, rng_seed):
-    # (LDM's residual is held by its query/key passes, not saved through autograd: the peak tests below see it.)
     model = _model(spec)
     b, t = 2, 16
     idx, targets = torch.randint(0, 512, (b, t)), torch.randint(0, 512, (b, t))
@@ -86,25 +81,10 @@ def test_autograd_saves_only_the_kept_streams(spec, rng_seed):
     assert every - saved(10) == 9 * stream_bytes
 
 
-@pytest.mark.parametrize("spec", ["ldm-rls", "ldm(qk_source=read)", "ldm(residual_write=off)", "ldm(read=residual)"])
-def test_ldm_keeps_every_residual_where_recomputing_it_would_not_save_memory(spec, rng_seed):
-    # RLS keeps only whitened values, so the raw outputs would have to be kept instead; the others never save x.
-    model = _model(spec)
-    assert model.mixer.init_state(torch.randn(2, 16, model.cfg.d_model, requires_grad=True)).tape is None
-    model = _model("ldm")
-    e = torch.randn(2, 16, model.cfg.d_model, requires_grad=True)
-    assert model.mixer.init_state(e).tape is not None
-    model.mixer.stream_segment = 1
-    assert model.mixer.init_state(e).tape is None
-    with torch.no_grad():
-        model.mixer.stream_segment = None
-        assert model.mixer.init_state(e).tape is None
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["mhc", "ldm"])
+@pytest.mark.parametrize("spec", ["mhc"])
 def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(spec, rng_seed):
-    model = _model(spec, n_blocks=8)  # L = 16: 4 of 16 streams kept (LDM: 4 of 17), 3 recomputed at a time
+    model = _model(spec, n_blocks=8)  # L = 16: 4 of 16 streams kept, 3 recomputed at a time
     b, t = 4, 64
     idx, targets = torch.randint(0, 512, (b, t)), torch.randint(0, 512, (b, t))
     stream_bytes = b * t * getattr(model.mixer, "n", 1) * model.cfg.d_model * 4
@@ -119,7 +99,7 @@ def test_peak_memory_of_a_step_falls_with_the_streams_not_kept(spec, rng_seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["mhc", "ldm"])
+@pytest.mark.parametrize("spec", ["mhc"])
 def test_the_tape_lives_no_longer_than_the_graph(spec, monkeypatch, rng_seed):
     tapes = []
     init = tape_module.Tape.__init__

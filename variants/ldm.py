@@ -255,7 +255,7 @@ class LDM(DepthMixer):
         """Reader ``reader``'s input: ``x``, ``x + concat_g(M^g q^g)`` or the memory read alone."""
         x = state.x
         # M_{-1} = 0: nothing to read
-        empty = state.M is None if self.impl == "recurrent" else not state.keys
+        empty = state.M is None if self.impl == "recurrent" else len(state.keys) == 0
         if not self.uses_memory or empty:
             return x
         src = self._qk_input(state)
