@@ -159,21 +159,6 @@ def test_ldm_matmul_count_matches_torch_flop_counter(spec, impl, rng_seed):
     assert other > 0 and mixer.extra_flops_per_token() == mm + other
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("chunk", [1, 2, 3])
-@pytest.mark.parametrize("spec", LDM_COST_SPECS)
-def test_chunked_read_matmul_count_matches_torch_flop_counter(spec, chunk, rng_seed):
-    """Folds (M + Σ v kᵀ per chunk, and S + Σ k kᵀ for RLS), reads of the carried memory (M q) and RLS's
-    whitening against it (S k, M k, kᵀ S k) are counted as they run."""
-    from variants.ops import ldm_costs
-
-    mixer = variants.build(spec, d_model=48, n_layers=5)
-    unchunked = ldm_costs.flops_per_token(mixer)[0]
-    mixer.chunk = chunk
-    mm, _ = ldm_costs.flops_per_token(mixer)
-    assert mm == _mixer_matmul_flops_per_token(mixer) and mm != unchunked
-
-
 @pytest.mark.parametrize("name", ["ldm", "ldm-rls"])
 def test_one_group_is_priced_as_the_dual_form_that_runs(name):
     """At groups=1 (d_k = d) the recurrent form would spend 2·d² per read; the dual form that runs spends O(L·d)."""

@@ -26,8 +26,8 @@ def _column(run: Path, name: str) -> list[float]:
 
 
 @pytest.mark.xdist_group("ddp")
-# ldm-rls: its reads hand the keys' and values' gradients to autograd through their own buffers (WriteGradient),
-# which DDP's gradient hooks must still see.
+# ldm-rls: the mixer with the most parameters of its own (per-layer query and key MLPs, learned λ), each of which
+# DDP must average.
 @pytest.mark.parametrize("variant", ["preln", "ldm-rls"])
 def test_two_processes_match_one_process(variant, tmp_path, tmp_path_factory):
     env = {**os.environ, "DEPTHMEM_CACHE": str(tmp_path_factory.getbasetemp().parent / "depthmem-cache")}

@@ -8,6 +8,8 @@ variant compiled. A host synchronisation shows in the profiler as ``aten::item``
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,20 +89,36 @@ def test_an_eager_step_with_the_kernels_never_waits_on_the_device(variant):
         assert _syncs(lambda: _step(model, idx)) == 0
 
 
-def test_the_rls_guard_trips_on_the_device_and_hands_over_to_the_eager_path():
+def test_the_rls_guard_trips_on_the_device_and_the_compiled_model_goes_on_in_float64(rng_seed):
     """Eight writes into 2-wide keys with λ = 0.5 leave late writes' δ² near the ridge's 0.5⁸: below the float32
-    floor. The compiled step cannot stop to ask; ``step_checks`` finds it afterwards and turns the guard on."""
+    floor. The compiled step cannot stop to ask; ``step_checks`` finds it afterwards and switches the whitening to
+    float64. The same compiled model, still one graph, then steps again without waiting on the device, and its
+    logits and gradients equal the float64 recursion's."""
     cfg, model = _model("ldm-rls(groups=16,key_dim=2,lambda=0.5)", n_blocks=4, dtype=torch.float32)
     idx = torch.randint(cfg.model.vocab_size, (2, 10))
     torch._dynamo.reset()
-    _step(torch.compile(model, fullgraph=True, backend="aot_eager"), idx)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    _step(compiled, idx)
     note = model.mixer.step_checks()
-    assert note is not None and "float64 recursion" in note
-    assert model.mixer.exact_guard
+    assert note is not None and "float64 from here on" in note
+    assert model.mixer.whiten_dtype == torch.float64
     assert model.mixer.step_checks() is None  # read once: the minimum starts over
+
+    model.zero_grad()
+    got = []
+    assert _syncs(lambda: got.append(_step(compiled, idx))) == 0
+    assert model.mixer.step_checks() is None  # float64 kept its digits
+    reference = copy.deepcopy(model).double()
+    reference.mixer.impl = "recurrent"
+    reference.zero_grad()
+    want = _step(reference, idx)
+    torch.testing.assert_close(got[0].double(), want, rtol=1e-4, atol=1e-5)
+    grads = dict(reference.named_parameters())
+    for name, p in model.mixer.named_parameters():
+        torch.testing.assert_close(p.grad.double(), grads["mixer." + name].grad, rtol=1e-3, atol=1e-5, msg=name)
 
     cfg, healthy = _model("ldm-rls(groups=4,lambda=1.0)", dtype=torch.float32)
     torch._dynamo.reset()
     _step(torch.compile(healthy, fullgraph=True, backend="aot_eager"), idx)
     assert healthy.mixer.step_checks() is None
-    assert not healthy.mixer.exact_guard
+    assert healthy.mixer.whiten_dtype == torch.float32

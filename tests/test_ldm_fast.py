@@ -58,14 +58,11 @@ def _loss(model, idx, targets):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk", [0, 1, 3], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("n_blocks", [1, 3])
 @pytest.mark.parametrize("spec", DUAL_SPECS)
-def test_dual_equals_recurrent_values_and_gradients(spec, chunk, rng_seed):
-    """Over every write (chunk 0) and chunkwise: every fold, every read of a carried memory (for RLS every
-    whitening against it) and every downdate in backward, against the recursion. With chunk 1 no write stays
-    open; with chunk 3 over 6 layers (7 writes with read=memory) folds and open writes alternate."""
-    dual, recurrent = _pair(spec, n_blocks=3 if chunk else 2)
-    dual.mixer.chunk = chunk
+def test_dual_equals_recurrent_values_and_gradients(spec, n_blocks, rng_seed):
+    """At 2 and 6 layers (3 and 7 writes with read=memory), every parameter's gradient included."""
+    dual, recurrent = _pair(spec, n_blocks=n_blocks)
     idx, targets = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
     with torch.no_grad():
         torch.testing.assert_close(dual(idx), recurrent(idx), rtol=1e-10, atol=1e-12)
@@ -79,11 +76,9 @@ def test_dual_equals_recurrent_values_and_gradients(spec, chunk, rng_seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk", [0, 3], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("spec", ["ldm(groups=4)", "ldm-rls(groups=4)", "ldm-rls(read=memory,groups=2,alpha=0.5)"])
-def test_dual_state_holds_the_recurrent_memory_after_every_layer(spec, chunk, rng_seed):
+def test_dual_state_holds_the_recurrent_memory_after_every_layer(spec, rng_seed):
     dual, recurrent = _pair(spec, n_blocks=4)
-    dual.mixer.chunk = chunk
     e = torch.randn(2, 5, 64, dtype=torch.float64)
     with torch.no_grad():
         s_dual, s_rec = dual.mixer.init_state(e), recurrent.mixer.init_state(e)
@@ -92,9 +87,7 @@ def test_dual_state_holds_the_recurrent_memory_after_every_layer(spec, chunk, rn
             torch.testing.assert_close(a, recurrent.mixer.read(s_rec, layer), rtol=1e-10, atol=1e-12)
             v = torch.randn_like(e)
             s_dual, s_rec = dual.mixer.write(s_dual, layer, v), recurrent.mixer.write(s_rec, layer, v)
-            if chunk:  # the writes since the latest fold, and a carried memory once one was made
-                writes = layer + 1 + dual.mixer.embed_write
-                assert len(s_dual.keys) == writes % chunk and (s_dual.carried is None) == (writes < chunk)
+            assert len(s_dual.keys) == layer + 1 + dual.mixer.embed_write
             torch.testing.assert_close(s_dual.M, s_rec.M, rtol=1e-10, atol=1e-12)
             if dual.mixer.rls:
                 torch.testing.assert_close(s_dual.P, s_rec.P, rtol=1e-10, atol=1e-10)
@@ -113,7 +106,7 @@ def test_whitened_writes_are_the_inverse_cholesky_factor(groups, key_dim, n, rng
     ridge = ldm_rls.ridge_diagonal(torch.cumprod(lambdas, 0)[:, None], omegas, alpha)  # (n, b, g)
     kt, vt = (), ()
     for i in range(n):
-        k_i, v_i, _ = ldm_rls.whiten(keys[i], values[i], ridge[i], kt, vt)
+        k_i, v_i, _ = ldm_rls.whiten_plain(keys[i], values[i], ridge[i], kt, vt)
         kt, vt = kt + (k_i,), vt + (v_i,)
     K, V = keys.movedim(0, -2), values.movedim(0, -2)  # (b, g, n, k), (b, g, n, v)
     chol = torch.linalg.cholesky(K @ K.mT + torch.diag_embed(ridge.movedim(0, -1)))
@@ -133,10 +126,11 @@ def test_whitened_writes_are_the_inverse_cholesky_factor(groups, key_dim, n, rng
     )
 
 
-@pytest.mark.parametrize("spec", ["ldm", "ldm-rls", "ldm-rls(read=memory,groups=4)"])
+@pytest.mark.parametrize("spec", ["ldm(groups=1)", "ldm-rls(groups=1)", "ldm-rls(read=memory,groups=1)"])
 def test_dual_keeps_no_per_layer_memory_for_backward(spec, rng_seed):
-    """Nothing autograd saves in the dual form is wider than two MLP hidden layers, while the recurrent form saves
-    the (b, t, g, v, k) memory (and the covariance) of every layer: that is where its extra memory went."""
+    """Nothing autograd saves in the dual form is wider than the writes so far stacked along depth (a read's
+    keys or values), while the recurrent form saves the (b, t, g, v, k) memory (and the covariance) of every
+    layer: with one group of d_k = d keys, d times the width of a write."""
     dual, recurrent = _pair(spec)
     # 3 × 7 tokens: every activation has a multiple of 21 elements, whatever its shape; no weight here has.
     e = torch.randn(3, 7, 64, dtype=torch.float64, requires_grad=True)
@@ -156,9 +150,9 @@ def test_dual_keeps_no_per_layer_memory_for_backward(spec, rng_seed):
             mixer.read_head(state)
         return max(sizes)
 
-    # The largest is the hidden layer a layer's query and key MLPs share, 2 × qk_hidden = 2d wide here.
-    assert dual.mixer.cfg.qk_hidden == 64 == e.shape[-1]
-    assert largest_saved(dual.mixer) <= 2 * e.numel()
+    n_writes = dual.n_layers + dual.mixer.embed_write
+    assert dual.mixer.dk == e.shape[-1] == 64 and n_writes <= 5
+    assert largest_saved(dual.mixer) <= n_writes * e.numel()
     assert largest_saved(recurrent.mixer) >= e.numel() * dual.mixer.dk  # the check can fail
 
 
@@ -191,49 +185,12 @@ def test_dual_state_stays_float32_under_bf16_and_float64_in_float64(spec, rng_se
 
 
 @pytest.mark.slow
-# -- the chunked read: writes folded into a carried memory every `chunk` writes ----------------------------------
-@pytest.mark.parametrize("spec", ["ldm", "ldm-rls(groups=4)"])
-def test_chunked_read_survives_a_second_backward_and_frees_its_memory(spec, monkeypatch, rng_seed):
-    """A second backward through the retained graph rebuilds the carried memory the first one lowered, so two
-    passes give exactly twice the gradient; and once the graph is gone, so is the memory (no reference cycle
-    through the nodes that share it)."""
-    import gc
-    import weakref
-
-    from variants.ops.depth_read import CarriedMemory
-
-    model = build_model(model_preset("tiny", n_blocks=3), spec).to(torch.float64)
-    model.mixer.chunk = 2
-    idx = torch.randint(0, VOCAB, (2, 9))
-    made = []
-    original = CarriedMemory.__init__
-
-    def tracked(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        made.append(weakref.ref(self))
-
-    monkeypatch.setattr(CarriedMemory, "__init__", tracked)
-    loss = model(idx).square().mean()
-    monkeypatch.undo()
-    loss.backward(retain_graph=True)
-    once = {n: p.grad.clone() for n, p in model.named_parameters()}
-    loss.backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, 2 * once[name], rtol=1e-12, atol=1e-14, msg=name)
-    assert len(made) == 1 and made[0]() is not None
-    del loss
-    gc.collect()
-    assert made[0]() is None
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["ldm(groups=4)", "ldm-rls(groups=4)"])
-def test_chunked_float32_stays_close_to_the_float64_recursion_at_depth(spec, rng_seed):
-    """Backward recovers each earlier memory by subtracting folded writes from a float32 sum: over 48 layers and
-    24 folds the rounding that leaves must stay small, in values and in gradients."""
+def test_float32_stays_close_to_the_float64_recursion_at_depth(spec, rng_seed):
+    """Over 48 layers the float32 rounding of the reads (and RLS's whitening) must stay small, in values and in
+    gradients."""
     dual, recurrent = _pair(spec, n_blocks=24)
     dual = dual.to(torch.float32)
-    dual.mixer.chunk = 2
     idx, targets = torch.randint(0, VOCAB, (2, T)), torch.randint(0, VOCAB, (2, T))
     with torch.no_grad():
         want_logits = recurrent(idx)
@@ -244,19 +201,3 @@ def test_chunked_float32_stays_close_to_the_float64_recursion_at_depth(spec, rng
     for name, p in dual.named_parameters():
         want = grads[name].grad
         assert float((p.grad.double() - want).norm() / want.norm()) < 1e-4, name
-
-
-@pytest.mark.slow
-def test_chunking_is_chosen_by_depth_and_key_width():
-    """Shallow models read every write; deep ones with narrow keys fold them."""
-    from variants import ldm as ldm_module
-
-    def chunk(spec, n_blocks, d_model=256, n_heads=4):
-        cfg = model_preset("small", n_blocks=n_blocks, d_model=d_model, n_heads=n_heads, vocab_size=VOCAB)
-        return build_model(cfg, spec).mixer.chunk
-
-    assert chunk("ldm", 4) == 0 and chunk("ldm", 12) == 0
-    assert chunk("ldm", 16) == ldm_module.CHUNK and chunk("ldm", 24) == ldm_module.CHUNK
-    assert chunk("ldm-rls", 24) == ldm_module.CHUNK and chunk("ldm-rls", 12) == 0
-    assert chunk("ldm(groups=4)", 24) == 0  # d_k = 64: the carried memory costs 32 writes to read
-    assert ldm_module.default_chunk(0, 16) == 0

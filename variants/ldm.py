@@ -9,23 +9,19 @@ query MLP.
 
 Two implementations compute the same function (``mixer.impl``). ``dual``, the default, never forms ``M``: it keeps
 the writes ``(k_i, v_i)`` and reads ``M q = Σ_i v_i (k_iᵀ q)``, linear attention over depth (for RLS the writes are
-whitened first, ``variants/ops/rls.py``), so backward keeps no per-layer memory and a read costs O(writes · d) per
-token. The dual form also computes a layer's query and key MLPs in one pass (they read the same ``x``:
-``shared_input_mlps``) and lets the reads add each write's gradient in place (``WriteGradient``). ``recurrent``
-materializes ``M`` (and ``P``) at every layer exactly as the spec writes it, with each MLP on its own; it is the
-reference the tests hold the dual form to, and costs O(d · d_k) per layer whatever the depth
-(docs/ldm-performance.md). In deep models with narrow keys the dual form (either write) reads
-chunkwise (``LDM.chunk``, ``variants/ops/depth_read.py``): every ``C`` writes are folded into a carried ``M``, so a read
-is ``M q`` plus the writes since the latest fold, and its cost stops growing with depth.
+whitened first, ``rls.whiten_plain``), so backward keeps no per-layer memory and a read costs O(writes · d) per
+token. It is one set of plain tensor operations that eager CPU and GPU runs and ``torch.compile`` all take: the
+writes stacked along depth for every read, and the read and the whitening through the dispatch functions of
+``variants/kernels/`` (the fused kernels where they run, their ``naive.py`` elsewhere). ``recurrent``
+materializes ``M`` (and ``P``) at every layer exactly as the spec writes it; it is the reference the tests hold
+the dual form to, and costs O(d · d_k) per layer whatever the depth (docs/ldm-performance.md).
 
 Axes: b batch, t time, d width, g groups, v value width d/G, k key width d_k, l depth.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import operator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,34 +29,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from variants import kernels
 from variants.base import DepthMixer, register
 from variants.kernels.depth_read import depth_read
-from variants.ops import ldm_costs, ldm_knobs, rls, unit
-from variants.ops.depth_read import CarriedMemory, CarriedRead, DepthRead, Fold, WriteGradient
-from variants.ops.gradients import Gathered
-from variants.ops.ldm_state import Carried, DualState, LDMState
-from variants.ops.mlp_pass import NORM_EPS, MLPPass, RawKey, SmallMLP, shared_input_mlps  # noqa: F401
-from variants.ops.tape import Tape, default_segment
+from variants.ops import ldm_costs, ldm_knobs, rls
+from variants.ops.layers import RMSNorm
+from variants.ops.ldm_state import DualState, LDMState
 from variants.registry import knob
 
 READS = ("residual+memory", "memory", "residual")
+NORM_EPS = 1e-6  # the mixer does not see the model's norm_eps; the decoder's default
+
+
+class SmallMLP(nn.Module):
+    """``RMSNorm → Linear(d, h) → SiLU → Linear(h, out)``: one layer's query or key network (spec §3)."""
+
+    def __init__(self, d: int, hidden: int, out: int):
+        super().__init__()
+        self.norm = RMSNorm(d, NORM_EPS)
+        # Biases: the spec leaves them open; kept, as in a default nn.Linear.
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, out)
+
+    def forward(self, x):
+        # Weights are cast to the input's precision so the memory math stays float32 even when the model's
+        # parameters are bf16 (and float64 in a float64 model).
+        dt = x.dtype
+        h = F.silu(F.linear(self.norm(x), self.fc1.weight.to(dt), self.fc1.bias.to(dt)))
+        return F.linear(h, self.fc2.weight.to(dt), self.fc2.bias.to(dt))
 
 
 def _parse_lambda(text: str) -> str | float:
     return "learned" if text.strip().lower() == "learned" else float(text)
-
-
-CHUNK = 4
-"""Writes per chunk of the chunked depth read (4 and 6 measured alike at 48 layers, 4 ahead at 32)."""
-
-
-def default_chunk(n_writes: int, key_dim: int) -> int:
-    """How many writes the dual read folds into a carried memory at a time, 0 for never: only where the writes
-    outnumber what the carried memory costs to read (``M`` holds ``d · d_k`` floats per token, ``d_k / 2`` writes'
-    worth) by enough to pay for the folds: from 28 writes at ``d_k = 16``, where it was measured to gain
-    (docs/ldm-performance.md), and beyond GPT-2 small's 25 at its ``d_k = 48``."""
-    return CHUNK if n_writes >= 2 * (key_dim // 2 + CHUNK) + CHUNK else 0
 
 
 @register("ldm")
@@ -126,13 +125,10 @@ class LDM(DepthMixer):
         # "dual" (the default) carries the writes and reads them as linear attention over depth; "recurrent" is
         # the spec's recursion with M (and P) materialized at every layer, kept as the reference.
         self.impl: Literal["dual", "recurrent"] = "dual"
-        # Dual form: fold every `chunk` writes into a carried memory (0: never), where that is cheaper than
-        # reading the writes one by one (``default_chunk``).
-        self.chunk = default_chunk(n_layers + (cfg.read == "memory"), self.dk)
-        # Dual form: layers per checkpointed segment of the residual x (``tape``); None for ⌈√L⌉, 1 keeps every x.
-        self.stream_segment: int | None = None
-        # Set by ``step_checks`` once the plain path's guard has tripped: the eager, guarded path from then on.
-        self.exact_guard = False
+        # LDM-RLS, dual form: the least precision its whitening (and so its reads) runs in. ``step_checks`` raises
+        # it to float64 once the float32 guard has tripped; a Python attribute, so a compiled graph recompiles for
+        # it instead of branching on a tensor.
+        self.whiten_dtype = torch.float32
         if not self.uses_memory:
             return  # read=residual is PreLN: no memory, no parameters, nothing to compute.
 
@@ -152,8 +148,8 @@ class LDM(DepthMixer):
                 nn.init.zeros_(mlp.fc2.weight[G * self.dk :])
                 nn.init.zeros_(mlp.fc2.bias[G * self.dk :])
         if self.rls:
-            # The plain path's precision guard, kept on the device (``_note_margin``): the smallest whitening margin
-            # since the last ``step_checks``, in units of ``rls.min_margin``; below 1 a read lost its digits.
+            # The precision guard, kept on the device (``_note_margin``): the smallest whitening margin since the
+            # last ``step_checks``, in units of ``rls.min_margin``; below 1 a read lost its digits.
             self.register_buffer("margin", torch.full((), math.inf), persistent=False)
         if self.rls and cfg.lambda_ == "learned":
             # One λ per write and group; the embedding write (read=memory) gets its own like any layer,
@@ -168,106 +164,56 @@ class LDM(DepthMixer):
             return rls.forgetting_factor(self.theta[n].to(like.dtype) * self.cfg.scalar_lr)
         return torch.full((self.G,), float(self.cfg.lambda_), dtype=like.dtype, device=like.device)
 
-    def _plain(self, t: torch.Tensor) -> bool:
-        """Whether the dual form runs as plain tensor operations (and the fused kernels where they run): under
-        ``torch.compile``, which cannot follow the eager path's hand-written nodes and the Python objects they
-        share, on a GPU, for which those nodes were not written (they trade passes over memory for CPU calls),
-        and wherever the kernels take over its reads. The plain path never asks the host anything: its
-        float32 guard is a device-side minimum (``_note_margin``) read once per step (``step_checks``)."""
-        return (torch.compiler.is_compiling() or t.device.type != "cpu" or kernels.active(t)) and not self.exact_guard
-
     def _note_margin(self, margin: torch.Tensor, dtype: torch.dtype) -> None:
         if self.margin.device == margin.device:  # not on the meta device, where a config is only validated
             self.margin.copy_(torch.minimum(self.margin, margin.detach().to(self.margin.dtype) / rls.min_margin(dtype)))
 
     def step_checks(self) -> str | None:
-        """LDM-RLS on the plain path: whether a whitening margin fell below ``rls.min_margin`` since the last call.
-        Then the eager path, whose guard hands over to the float64 recursion, runs from here on (``exact_guard``)
-        and the sentence says so; the caller decides what to do with the step that lost its digits."""
+        """LDM-RLS: whether a whitening margin fell below ``rls.min_margin`` since the last call, read from the
+        device once per step instead of once per write. Then the whitening runs in float64 from here on
+        (``whiten_dtype``) and the sentence says so; the caller decides what to do with the step that lost its
+        digits."""
         if not self.rls or not self.uses_memory:
             return None
         worst = float(self.margin)
         self.margin.fill_(math.inf)
         if worst >= 1.0:
             return None
-        self.exact_guard = True
+        if self.whiten_dtype == torch.float64:
+            return (
+                f"a whitening margin of LDM-RLS fell to {worst:.2g} of its floor even in float64, so its reads lost "
+                "precision"
+            )
+        self.whiten_dtype = torch.float64
         return (
             f"a whitening margin of LDM-RLS fell to {worst:.2g} of its float32 floor, so its reads lost precision; "
-            "the guarded eager path, which hands over to the float64 recursion, runs from here on"
+            "its whitening and reads run in float64 from here on"
         )
-
-    def _unit(self, z: torch.Tensor) -> torch.Tensor:
-        """Unit vectors per group; the recurrent reference keeps the plain ``F.normalize``."""
-        return F.normalize(z, dim=-1) if self.impl == "recurrent" else unit(z)
 
     def _query(self, z: torch.Tensor) -> torch.Tensor:
         """A query MLP's output as unit vectors per group, (b, t, g, k)."""
-        return self._unit(z.unflatten(-1, (self.G, self.dk)))
+        return F.normalize(z.unflatten(-1, (self.G, self.dk)), dim=-1)
 
-    def _key_parts(self, z: torch.Tensor) -> list[torch.Tensor]:
-        """A key MLP's output ``z`` (b, t, g*k [+ g]) as the key, unit vectors per group (b, t, g, k), and with ω
-        the raw ω outputs (b, t, g)."""
+    def _key(self, state, n: int, layer: int, dt: torch.dtype) -> tuple:
+        """Key (b, t, g, k) as unit vectors per group, importance ω (b, t, g) and forgetting λ (g,) of write ``n``,
+        from its key MLP on ``_qk_input`` in ``dt``."""
         G, dk = self.G, self.dk
-        k = self._unit(z[..., : G * dk].unflatten(-1, (G, dk)))
-        # The gain on ω's logits is its learning-rate multiplier (``scalar_lr``); they start at zero, where it does
-        # not change ω.
-        return [k, z[..., G * dk :] * self.cfg.scalar_lr] if self.omega_on else [k]
-
-    def _finish_read(self, outs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The read's pass: the query, then the parts of the key of the same layer's write, if the pass made it."""
-        return [self._query(outs[0]), *(self._key_parts(outs[1]) if len(outs) > 1 else ())]
-
-    def _key(self, state, n: int, layer: int, dt: torch.dtype, pending: tuple | None = None) -> tuple:
-        """Key (b, t, g, k), importance ω (b, t, g) and forgetting λ (g,) of write ``n``, from ``_qk_input`` in
-        ``dt`` (or ``pending``: the pass of a read that computed it already, and the key's parts), and the pass
-        that made it (None in the recurrent form)."""
-        if pending is None:
-            x = self._qk_input(state)
-            if self.impl == "recurrent":
-                mlp_pass, parts = None, self._key_parts(self.keys[n](x.to(dt)))
-            else:  # the embedding's own write (layer -1) reads x_0 = e
-                mlp_pass = self._mlp_pass(state, [self.keys[n]], max(layer, 0), finish=lambda o: self._key_parts(o[0]))
-                parts = mlp_pass.run(x, dt)
-        else:
-            mlp_pass, parts = pending
-        k = parts[0]
+        z = self.keys[n](self._qk_input(state).to(dt))
+        k = F.normalize(z[..., : G * dk].unflatten(-1, (G, dk)), dim=-1)
         self.record("k", layer, k)
         if not self.rls:
-            return k, None, None, mlp_pass
-        omega = rls.importance_weight(parts[1]) if self.omega_on else torch.ones_like(k[..., 0])
+            return k, None, None
+        # The gain on ω's logits is its learning-rate multiplier (``scalar_lr``); they start at zero, where it does
+        # not change ω.
+        omega = (
+            rls.importance_weight(z[..., G * dk :] * self.cfg.scalar_lr)
+            if self.omega_on
+            else torch.ones_like(k[..., 0])
+        )
         lam = self._lambda(n, k)
         self.record("omega", layer, omega)
         self.record("lambda", layer, lam)
-        return k, omega, lam, mlp_pass
-
-    def segment(self) -> int:
-        return self.stream_segment or default_segment(self.n_layers + 1)
-
-    def tape(self) -> Tape | None:
-        """The dual form's checkpoint of the residual stream, or None where it would not save memory.
-
-        The query and key MLPs read ``x_l`` and keep it for their backward, one (b, t, d) tensor per layer. With the
-        outer-product write every layer's output ``v_l`` is kept anyway (the reads need it), and ``x_{l+1} = x_l +
-        v_l``, so backward can recompute ``x`` from every ``segment()``-th one. Not with the RLS write, which keeps
-        only whitened values (the raw ``v_l`` would have to be kept instead of ``x``), nor where the MLPs read
-        the reads or ``x`` never changes; not under ``torch.compile``, which plans what it saves, nor without
-        gradients."""
-        cfg = self.cfg
-        if (
-            self.impl != "dual"
-            or self.rls
-            or not (self.uses_memory and cfg.residual_write and cfg.qk_source == "residual")
-            or self.segment() <= 1
-            or not torch.is_grad_enabled()
-            or torch.compiler.is_compiling()
-        ):
-            return None
-        return Tape(self.segment(), operator.add)
-
-    def _mlp_pass(self, state, mlps, layer: int, finish) -> MLPPass:
-        """The dual form's pass of ``mlps`` over ``_qk_input`` before ``layer``, through the tape where there is one."""
-        tape = state.tape if self.cfg.qk_source == "residual" else None
-        return MLPPass(mlps, finish, tape, layer)
+        return k, omega, lam
 
     def _qk_input(self, state) -> torch.Tensor:
         """What the query and key MLPs read now: the residual ``x``, or with ``qk_source=read`` the latest read, so
@@ -279,53 +225,24 @@ class LDM(DepthMixer):
 
     def _write_memory(self, state, n: int, layer: int, value: torch.Tensor):
         """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``_qk_input``: the new memory part
-        of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay, grads, raw, exact, carried)`` in
-        the dual form."""
+        of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay)`` in the dual form."""
         dt = torch.promote_types(value.dtype, torch.float32)
         with torch.autocast(device_type=value.device.type, enabled=False):
-            pending = None if self.impl == "recurrent" else state.pending.pop(layer, None)
-            k, omega, lam, mlp_pass = self._key(state, n, layer, dt, pending)
+            k, omega, lam = self._key(state, n, layer, dt)
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:
                     step = v.unsqueeze(-1) * k.unsqueeze(-2)  # v kᵀ, (b, t, g, v, k)
                     return (step if state.M is None else state.M + step), None
                 return rls.rls_write(state.M, state.P, k, v, lam, omega)
-            decay, raw, exact = None, (), None
-            plain = self._plain(v)
-            if self.rls and plain:
-                decay = lam if state.decay is None else state.decay * lam
-                ridge = rls.ridge_diagonal(decay, omega, self.cfg.alpha)
-                with mlp_pass.keeping(k):
-                    k, v, margin = rls.whiten_plain(k, v, ridge, state.keys, state.values)
-                self._note_margin(margin, k.dtype)
-            elif self.rls:
-                decay = lam if state.decay is None else state.decay * lam  # Π_{j≤n} λ_j
-                index = mlp_pass.index(k)
-                raw_k = k if index is None else RawKey(mlp_pass, self._qk_input(state), index)
-                raw = state.raw + ((raw_k, v, lam, omega),)
-                if state.exact is not None:  # already handed over: one more step of the recursion
-                    exact = rls.rls_write(*state.exact, k.double(), v.double(), lam.double(), omega.double())
-                    return state.keys, state.values, decay, state.grads, raw, exact, state.carried
-                ridge = rls.ridge_diagonal(decay, omega, self.cfg.alpha)
-                # The raw key is the whitening's alone (reads use the whitened one): its backward recomputes it.
-                with mlp_pass.keeping(k):
-                    k, v, margin = rls.whiten(k, v, ridge, state.keys, state.values, state.grads, state.carried)
-                if margin < rls.min_margin(k.dtype):
-                    # This write's δ² cancelled below the precision: the exact recursion from here on.
-                    exact = rls.replay([(k() if callable(k) else k, *rest) for k, *rest in raw], self.cfg.alpha)
-                    return state.keys, state.values, decay, state.grads, raw, exact, state.carried
-            grad = None
-            if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad) and not plain:
-                grad = WriteGradient.new()
-                k, v = Gathered.apply(grad, k, v)
-            keys, values, grads, carried = state.keys + (k,), state.values + (v,), state.grads + (grad,), state.carried
-            # The plain path cannot follow the carried memory's buffer, so it reads every write.
-            if len(keys) == self.chunk and not plain:
-                memory = carried.memory if carried is not None else CarriedMemory(gram=self.rls)
-                token = Fold.apply(memory, carried.token if carried is not None else None, *keys, *values)
-                keys, values, grads, carried = (), (), (), Carried(memory, token)
-            return keys, values, decay, grads, raw, exact, carried
+            decay = None
+            if self.rls:
+                wt = torch.promote_types(dt, self.whiten_dtype)
+                decay = lam.to(wt) if state.decay is None else state.decay * lam.to(wt)  # Π_{j≤n} λ_j
+                ridge = rls.ridge_diagonal(decay, omega.to(wt), self.cfg.alpha)
+                k, v, margin = rls.whiten_plain(k.to(wt), v.to(wt), ridge, state.keys, state.values)
+                self._note_margin(margin, wt)
+            return state.keys + (k,), state.values + (v,), decay
 
     def _read(self, state, reader: int) -> torch.Tensor:
         """Reader ``reader``'s input, kept as the latest read when queries and keys come from the reads."""
@@ -338,46 +255,24 @@ class LDM(DepthMixer):
         """Reader ``reader``'s input: ``x``, ``x + concat_g(M^g q^g)`` or the memory read alone."""
         x = state.x
         # M_{-1} = 0: nothing to read
-        if self.impl == "recurrent":
-            empty = state.M is None
-        else:
-            empty = len(state.keys) == 0 and state.exact is None and state.carried is None
+        empty = state.M is None if self.impl == "recurrent" else len(state.keys) == 0
         if not self.uses_memory or empty:
             return x
         src = self._qk_input(state)
         dt = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            keeping = contextlib.nullcontext()
-            if self.impl == "recurrent":
-                q = self._query(self.queries[reader](src.to(dt)))
-            else:
-                mlps = [self.queries[reader]]
-                shared = reader < self.n_layers and self.cfg.qk_source == "residual"
-                if shared:  # this layer's write keys the same x: both MLPs in one pass, the key kept for the write
-                    mlps.append(self.keys[reader + self.embed_write])
-                mlp_pass = self._mlp_pass(state, mlps, reader, finish=self._finish_read)
-                q, *key = mlp_pass.run(src, dt)
-                if shared:
-                    state.pending[reader] = (mlp_pass, key)
-                keeping = mlp_pass.keeping(q)  # the read's backward gets q from the pass's recomputation
+            q = self._query(self.queries[reader](src.to(dt)))
             self.record("q", reader, q)  # (b, t, g, k)
             if self.impl == "recurrent":
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
-            elif state.exact is not None:
-                m = torch.einsum("btgvk,btgk->btgv", state.exact[0], q.double()).to(dt)
-            elif self._plain(q):
-                R = q.numel() // q.shape[-1]
-                keys, values = torch.stack(state.keys, -2), torch.stack(state.values, -2)  # (b, t, g, n, k|v)
-                with keeping:
-                    m = depth_read(q.reshape(R, -1), keys.view(R, *keys.shape[-2:]), values.view(R, *values.shape[-2:]))
-                m = m.view(*q.shape[:-1], -1)
-            elif state.carried is not None:
-                memory, token = state.carried
-                with keeping:
-                    m = CarriedRead.apply(q, memory, token, state.grads, *state.keys, *state.values)
             else:
-                with keeping:
-                    m = DepthRead.apply(q, state.grads, *state.keys, *state.values)
+                # In the writes' precision (float64 once LDM-RLS's guard has tripped), back in the stream's after.
+                keys, values = torch.stack(state.keys, -2), torch.stack(state.values, -2)  # (b, t, g, n, k|v)
+                R = q.numel() // q.shape[-1]
+                m = depth_read(
+                    q.to(keys.dtype).reshape(R, -1), keys.view(R, *keys.shape[-2:]), values.view(R, *values.shape[-2:])
+                )
+                m = m.view(*q.shape[:-1], -1).to(dt)
             m = m.flatten(-2)  # (b, t, g, v) -> (b, t, d)
             self.record("read", reader, m)
         m = m.to(x.dtype)
@@ -394,7 +289,7 @@ class LDM(DepthMixer):
                 )
             state = LDMState(e, None, P, {})
         else:
-            state = DualState(e, alpha=self.cfg.alpha if self.rls else None, pending={}, tape=self.tape())
+            state = DualState(e, alpha=self.cfg.alpha if self.rls else None, pending={})
         if self.embed_write:
             # v_{-1} = e under a key from its own key MLP on e, before layer 0 (spec §5).
             state = self._next(state, e, self._write_memory(state, 0, -1, e))
@@ -404,27 +299,20 @@ class LDM(DepthMixer):
         """The state with residual ``x`` and the memory part returned by ``_write_memory``."""
         if self.impl == "recurrent":
             return LDMState(x, *memory, state.pending)
-        keys, values, decay, grads, raw, exact, carried = memory
-        return state._replace(
-            x=x, keys=keys, values=values, decay=decay, grads=grads, raw=raw, exact=exact, carried=carried
-        )
+        keys, values, decay = memory
+        return state._replace(x=x, keys=keys, values=values, decay=decay)
 
     def read(self, state, layer):
         return self._read(state, layer)
 
     def write(self, state, layer, out):
-        if getattr(state, "tape", None) is not None:
-            state.tape.writes[layer] = (out.detach(),)  # x_{l+1} = x_l + v_l, recomputed as written here
         x = state.x + out if self.cfg.residual_write else state.x
         if not self.uses_memory:
             return state._replace(x=x)
         return self._next(state, x, self._write_memory(state, layer + self.embed_write, layer, out))
 
     def read_head(self, state):
-        h = self._read(state, self.n_layers)
-        if getattr(state, "carried", None) is not None:
-            state.carried.memory.release()  # nothing reads it again in this forward pass
-        return h
+        return self._read(state, self.n_layers)
 
     # -- introspection -------------------------------------------------------------------------------------
     def mixing_matrix(self, trace):

@@ -17,11 +17,10 @@ from variants.ops.rls import (  # noqa: F401  (the memory math, importable from 
     initial_inverse_covariance,
     min_margin,
     read_weights,
-    replay,
     ridge_diagonal,
     rls_write,
     theta_for_lambda,
-    whiten,
+    whiten_plain,
 )
 
 register(

@@ -125,13 +125,12 @@ class LitDecoder(pl.LightningModule):
         self.step_loss, self.step_grad_norm = loss, grad_norm
         note = self.model.mixer.step_checks()  # here, where the step has waited for the device already
         if note is not None:
-            # The update this step computed is withheld, and the eager model, whose mixer now takes its guarded
-            # path, trains from the next step on.
+            # The update this step computed is withheld; the mixer has changed how it computes from the next step on
+            # (a compiled model recompiles for it).
             self.fallbacks.append({"step": self.global_step + 1, "reason": note})
             print(f"depthmem: step {self.global_step + 1}: {note}; this step's update is skipped.", flush=True)
             for p in self.model.parameters():
                 p.grad = None
-            object.__setattr__(self, "step_model", self.model)
         self.step_lr = optimizer.param_groups[0]["lr"]
         step = self.global_step + 1
         if step % self.cfg.train.val_every_steps == 0 or step == self.total:

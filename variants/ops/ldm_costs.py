@@ -6,10 +6,6 @@ over the writes so far, ``2·(G·d_k + d)`` per write, and an RLS write first pr
 writes. With ``groups=1`` (``d_k = d``) the recurrent count is ``2·d²`` per read against ``O(L·d)`` for what runs,
 so pricing the wrong form overstates the cost many times.
 
-With chunked reads (``mixer.chunk``, outer-product write only) every ``C`` writes are folded into a carried
-``M``, ``2·d·d_k·C`` per fold; a read after the first fold then costs ``2·d·d_k`` for ``M q`` plus the dual sum over
-the writes since the latest fold.
-
 Both counts walk the forward in the order the mixer runs it (the embedding write, then a read and a write per
 layer, then the head's read) and return matrix products, which ``torch.utils.flop_counter`` sees and the tests hold
 them to exactly, apart from elementwise work (norms, activations, biases, additions), which is an analytic estimate.
@@ -26,63 +22,44 @@ def flops_per_token(mixer) -> tuple[int, int]:
     d, h, G, dv, dk = mixer.d_model, mixer.cfg.qk_hidden, mixer.G, mixer.dv, mixer.dk
     dual = mixer.impl == "dual"
     key_out = G * dk + (G if mixer.omega_on else 0)
-    # The dual form computes a layer's query and key MLPs in one pass when they read the same x.
-    fused = dual and mixer.cfg.qk_source == "residual"
     mm = other = 0
 
-    def mlps(*outs: int) -> None:
-        # Matmuls 2·d·h + 2·h·o each; biases h + o, SiLU ≈ 4h. The RMS statistic is a norm (2d) and one scaling
-        # (d) shared by the pass in the dual form, a norm of its own (≈ 4d) per MLP in the recurrent one.
+    def mlp(out: int) -> None:
+        # Matmuls 2·d·h + 2·h·o; biases h + o, SiLU ≈ 4h, the RMS norm with its gain ≈ 4d.
         nonlocal mm, other
-        mm += sum(2 * d * h + 2 * h * o for o in outs)
-        other += sum(5 * h + o for o in outs) + (3 * d if dual else 4 * d * len(outs))
+        mm += 2 * d * h + 2 * h * out
+        other += 5 * h + out + 4 * d
 
     def unit() -> None:
         # G vectors of width d_k: norm, clamp, division.
         nonlocal other
         other += 3 * G * dk + G
 
-    chunk = mixer.chunk if dual else 0
-
-    def read(n: int, reader: int) -> bool:
-        """Reader ``reader`` over ``n`` writes; True when its pass also computed the key of its layer's write."""
+    def read(n: int) -> None:
+        """A read over ``n`` writes."""
         nonlocal mm, other
-        with_key = fused and reader < mixer.n_layers
-        mlps(G * dk, key_out) if with_key else mlps(G * dk)
+        mlp(G * dk)
         unit()
         if dual:
-            folded = n - n % chunk if chunk else 0
-            if folded:
-                mm += 2 * d * dk  # M q
-            unfolded = n - folded
-            mm += unfolded * 2 * G * dk  # k_iᵀ q
-            other += (2 * unfolded - (0 if folded else 1)) * d  # Σ_i v_i (k_iᵀ q)
+            # k_iᵀ q and Σ_i v_i (k_iᵀ q): two batched products over the stacked writes.
+            mm += n * 2 * G * dk + n * 2 * d
         else:
             mm += 2 * d * dk  # M q
         other += d if mixer.cfg.read != "memory" else 0  # x + M q
-        return with_key
 
-    def write(n: int, key_done: bool) -> None:
+    def write(n: int) -> None:
         """The write after ``n`` earlier writes."""
         nonlocal mm, other
-        if not key_done:
-            mlps(key_out)
+        mlp(key_out)
         unit()
-        if chunk and (n + 1) % chunk == 0:
-            mm += 2 * d * dk * chunk  # the fold: M + Σ v kᵀ over the chunk
-            mm += 2 * G * dk * dk * chunk if mixer.rls else 0  # and the keys' Gram S + Σ k kᵀ
         if not mixer.rls:
             other += 0 if dual else (2 * d * dk if n else d * dk)  # M + v kᵀ
             return
         other += 6 * G  # λ, ω and the ridge entry d_n = Πλ / (α ω)
         if dual:
-            folded = n - n % chunk if chunk else 0
-            if folded:  # the folded writes at once: S k, M k, kᵀ S k, and the three subtractions
-                mm += 2 * G * dk * dk + 2 * d * dk + 2 * G * dk
-                other += G * dk + d + G
-            n -= folded
-            # Gram–Schmidt against the other earlier whitened writes: l_j = k̃_jᵀ k, then k, v and δ² updated per j.
-            mm += (n + 1) * 2 * G * dk
+            # Gram–Schmidt against the earlier whitened writes: l = K k (a batched product), then k, v and δ²
+            # less their projections, |k|², the floor and the division by δ.
+            mm += n * 2 * G * dk
             other += n * (2 * G * dk + 2 * d + 2 * G) + 3 * G + G * dk + d
             return
         # κ = P k̄ / (λ + k̄ᵀ P k̄), u = v̄ − M k̄, M += u κᵀ, P = (P − (P k̄)(P k̄)ᵀ / s) / λ.
@@ -91,11 +68,12 @@ def flops_per_token(mixer) -> tuple[int, int]:
 
     n = 0
     if mixer.embed_write:
-        write(n, False)
+        write(n)
         n += 1
     for reader in range(mixer.n_layers + 1):
-        key_done = read(n, reader) if n else False
+        if n:
+            read(n)
         if reader < mixer.n_layers:
-            write(n, key_done)
+            write(n)
             n += 1
     return mm, other
