@@ -43,7 +43,7 @@ def _logits_after_one_adam_step(spec: str, idx):
 
 def test_a_gain_moves_lambda_and_omega_that_many_times_as_far(rng_seed):
     idx = torch.randint(512, (2, 12))
-    plain, lam1, omega1 = _logits_after_one_adam_step("ldm-rls", idx)
+    plain, lam1, omega1 = _logits_after_one_adam_step("ldm-rls(scalar_lr=1)", idx)
     fast, lam10, omega10 = _logits_after_one_adam_step("ldm-rls(scalar_lr=10)", idx)
     assert float(lam10 / lam1) == pytest.approx(10.0, rel=1e-3)
     assert float(omega10 / omega1) == pytest.approx(10.0, rel=1e-3)
@@ -51,7 +51,7 @@ def test_a_gain_moves_lambda_and_omega_that_many_times_as_far(rng_seed):
 
 def test_the_model_at_initialization_does_not_depend_on_the_gain(rng_seed):
     idx = torch.randint(512, (2, 12))
-    _, plain = _model("ldm-rls")
+    _, plain = _model("ldm-rls(scalar_lr=1)")
     _, fast = _model("ldm-rls(scalar_lr=100)")
     # θ is stored over the gain, so λ is the same to the rounding of that division.
     torch.testing.assert_close(plain(idx), fast(idx), rtol=1e-9, atol=1e-9)
