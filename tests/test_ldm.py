@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import variants
 from harness import build_model, model_preset
 from harness.model.decoder import Trace
-from variants import ldm_rls
 from variants.ldm import SmallMLP
+from variants.ops import rls as ldm_rls
 
 D, L, T = 64, 4, 16
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import build_model, model_preset
-from variants import ldm_rls
+from variants.ops import rls as ldm_rls
 
 T, VOCAB = 12, 512
 

@@ -97,9 +97,8 @@ class LDM(DepthMixer):
         )
         omega: bool = knob(True, "importance weights ω from the key MLP (write=rls only)", choices=("on", "off"))
         alpha: float = knob(1.0, "ridge scale, P_{-1} = αI (write=rls only)", allowed="a number > 0")
-        # 10: at 1 the learned λ stays within 0.01 of its start in short runs; at 10 it moves (docs/variants.md)
         scalar_lr: float = knob(
-            10.0,
+            1.0,
             "learning-rate multiplier of the forgetting factors λ and the importance weights ω (write=rls only), "
             "applied as a gain on their parameters",
             allowed="a number > 0",

@@ -23,6 +23,9 @@ from harness.reporting.items import Context, NoData, figure
 from harness.reporting.results import Run, split_variant
 from harness.reporting.stats import compare
 
+RLS_ONLY = ("lambda", "omega", "alpha", "scalar_lr")
+"""The knobs of the RLS write alone (``variants/ops/ldm_knobs.py`` refuses them with ``write=outer``)."""
+
 KNOB_LABELS = {
     "write": "memory write",
     "read": "read",
@@ -82,6 +85,9 @@ def ablation_comparisons(ctx: Context) -> tuple[pd.DataFrame, str, str]:
     reference_losses = _by_seed(ref_runs)
     for variant, runs in sorted(by_variant.items()):
         changed = {k: v for k, v in runs[0].knob_values.items() if str(v) != str(ref_knobs.get(k))}
+        if "write" in changed:
+            # One side writes outer products, for which λ, ω, α and their gain mean nothing: the write is the change.
+            changed = {k: v for k, v in changed.items() if k not in RLS_ONLY}
         if not changed:
             continue
         c = compare(reference_losses, _by_seed(runs))
