@@ -89,6 +89,41 @@ def test_an_eager_step_with_the_kernels_never_waits_on_the_device(variant):
         assert _syncs(lambda: _step(model, idx)) == 0
 
 
+@pytest.mark.parametrize("variant", variants.names())
+def test_an_eager_step_never_waits_on_the_device(variant):
+    """The one path every device runs asks the host nothing, eagerly too (LDM-RLS's guard is read once per optimizer
+    step, by ``step_checks``, outside the step timed here)."""
+    cfg, model = _model(variant, dtype=torch.float32)
+    idx = torch.randint(cfg.model.vocab_size, (2, 10))
+    _step(model, idx)  # warm-up: first calls may set things up
+    assert _syncs(lambda: _step(model, idx)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (torch.cuda.is_available() or kernels.interpreting()), reason="the kernels need Triton")
+@pytest.mark.parametrize("variant", variants.names())
+def test_compiles_as_one_graph_with_the_kernels_on_and_matches_the_plain_path(rng_seed, variant):
+    """With the fused kernels on, dynamo traces each model as one graph through the kernels' launches. On a CPU the
+    kernels run in Triton's interpreter, which inductor cannot generate code around, so the graph runs with
+    ``aot_eager`` (the same graph and autograd split inductor would get); a card runs it with inductor."""
+    pytest.importorskip("triton")
+    cfg, model = _model(variant, dtype=torch.float32)
+    idx = torch.randint(cfg.model.vocab_size, (2, 10))
+    torch._dynamo.reset()
+    with kernels.mode("on"):
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        got = _step(compiled, idx)
+    got_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    with kernels.mode("off"):
+        want = _step(model, idx)
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) < 1e-4 * scale
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert float((got_grads[name] - p.grad).abs().max()) <= 1e-4 * max(float(p.grad.abs().max()), 1e-6), name
+
+
 def test_the_rls_guard_trips_on_the_device_and_the_compiled_model_goes_on_in_float64(rng_seed):
     """Eight writes into 2-wide keys with λ = 0.5 leave late writes' δ² near the ridge's 0.5⁸: below the float32
     floor. The compiled step cannot stop to ask; ``step_checks`` finds it afterwards and switches the whitening to

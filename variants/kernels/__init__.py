@@ -48,10 +48,6 @@ def set_mode(mode: str) -> None:
     _mode = mode
 
 
-def get_mode() -> str:
-    return _mode
-
-
 @contextlib.contextmanager
 def mode(name: str):
     """``set_mode`` for the duration of a ``with`` block."""
