@@ -186,6 +186,11 @@ def test_load_model_rejects_corrupt_or_mismatched_checkpoints(preln_run, tmp_pat
         load_model(run)
     data = (preln_run / "ckpt" / "last.ckpt").read_bytes()
     (run / "ckpt" / "last.ckpt").write_bytes(data[: len(data) // 2])
+    (run / "ckpt" / "last.previous.ckpt").unlink(missing_ok=True)  # no good checkpoint to fall back to
+    with pytest.raises(UsageError, match="does not match the checksum written when it was saved"):
+        load_model(run)
+    # Without its checksum (a checkpoint saved before checksums were written) the reader finds the damage.
+    (run / "ckpt" / "last.ckpt.sha256").unlink()
     with pytest.raises(UsageError, match="truncated or corrupt"):
         load_model(run)
 
