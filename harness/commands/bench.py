@@ -24,7 +24,7 @@ def _int_list(flag: str, text: str | None) -> list[int] | None:
     return values
 
 
-def _variant_list(text: str) -> list[str]:
+def variant_list(text: str) -> list[str]:
     # Knobs contain commas too (ldm-rls(groups=4,lambda=1.0)), so split only outside parentheses.
     out, depth, current = [], 0, ""
     for ch in text:
@@ -48,7 +48,7 @@ def add_parser(sub):
     )
     p.add_argument(
         "--variants",
-        type=_variant_list,
+        type=variant_list,
         default=None,
         help="comma-separated variant names with optional knobs (default: all registered)",
     )

@@ -31,7 +31,8 @@ import pandas as pd
 from scipy import stats
 
 from harness.config import ModelConfig
-from harness.reporting.results import Run, Sweep, _flatten, split_variant
+from harness.reporting.axes import flatten
+from harness.reporting.results import Run, Sweep, split_variant
 
 BOOTSTRAP = 2000
 MIN_SIZES = 3
@@ -104,7 +105,7 @@ def training_flops(run: Run) -> float | None:
 
 def _budget_key(run: Run) -> str:
 
-    flat = {k: v for k, v in _flatten(run.config).items() if k not in _FREE_KEYS and not k.startswith(_FREE_PREFIXES)}
+    flat = {k: v for k, v in flatten(run.config).items() if k not in _FREE_KEYS and not k.startswith(_FREE_PREFIXES)}
     return json.dumps(flat, sort_keys=True, default=str)
 
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import pandas as pd
 
-from harness.config import read_yaml
 from harness.errors import UsageError, did_you_mean
 from harness.io import atomic_write_text, remove_stale_temps, writable_dir
 from harness.reporting import figures as figs
@@ -29,6 +28,7 @@ from harness.reporting import tuning as tuning_report
 from harness.reporting.archive import ARCHIVE_SUFFIXES, archive_stem, is_archive
 from harness.reporting.claims import parse_claims
 from harness.reporting.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
+from harness.yamltext import read_yaml
 
 TABLES = report_items.names("table")
 FIGURES = report_items.names("figure")

@@ -190,7 +190,7 @@ def sweep_process(sweep_dir: Path) -> dict[str, Any] | None:
     return {**record, "alive": alive}
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
@@ -226,7 +226,7 @@ def stop_local(job_ids: list[str], grace_s: float = STOP_GRACE_S, reap=None) -> 
         except ProcessLookupError:
             continue
     deadline = time.time() + grace_s
-    while time.time() < deadline and (any(_group_alive(g) for g in groups) or any(local_alive(j) for j in job_ids)):
+    while time.time() < deadline and (any(group_alive(g) for g in groups) or any(local_alive(j) for j in job_ids)):
         if reap is not None:
             reap()
         time.sleep(0.1)

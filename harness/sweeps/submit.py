@@ -23,20 +23,10 @@ from typing import Any
 from harness.errors import DepthmemError, UsageError
 from harness.io import remove_stale_temps, writable_dir
 from harness.rundir import now_iso, read_status, write_config, write_status
-from harness.sweeps.announce import _announce, _backfill, _write_tuning, describe_plan
-
-# Planning and execution live in their own modules; their names that callers import from here stay importable.
-from harness.sweeps.execute import (
-    SweepInterrupted,
-    _executor,  # noqa: F401
-    _read_record,
-    _run_local_window,
-    _save_record,
-    _submit_arrays,
-    _wait,
-)
-from harness.sweeps.jobstate import default_root, forget_sweep_process, record_sweep_process, sweep_status
-from harness.sweeps.planning import Plan, apply_overrides, check_executor, plan  # noqa: F401
+from harness.sweeps.announce import announce_plan, backfill_trackers, write_tuning
+from harness.sweeps.execute import read_record, run_local_window, save_record, submit_arrays, wait_for_jobs
+from harness.sweeps.jobstate import forget_sweep_process, record_sweep_process, sweep_status
+from harness.sweeps.planning import Plan, check_executor, plan
 
 LOCAL_RUNS_WITHOUT_ASKING = 4
 """Most runs of a cluster grid (a profile with ``executor: slurm``) that run on this machine without ``--yes``."""
@@ -128,7 +118,7 @@ def sweep(
             jobs.update(tuned)
             if tuned and wait:
                 p = replan()  # the tuning runs have ended: their cells' values can be chosen now
-            _write_tuning(p, log)
+            write_tuning(p, log)
         sub = Submission(p)
         jobs.update(_run_stage(p, log, wait, poll_s))
         sub.jobs = jobs
@@ -142,8 +132,8 @@ def sweep(
 def _run_stage(p: Plan, log, wait: bool, poll_s: float) -> dict[str, Any]:
     """Submit one stage's unfinished runs (and with ``wait``, wait for them); returns their jobs by run id."""
     writable_dir(p.sweep_dir, "sweep folder")
-    _announce(p, log)
-    _backfill(p, log)
+    announce_plan(p, log)
+    backfill_trackers(p, log)
     todo = p.to_submit()
     for r in todo:
         run_dir = p.sweep_dir / r.run_id
@@ -160,24 +150,14 @@ def _run_stage(p: Plan, log, wait: bool, poll_s: float) -> dict[str, Any]:
                 submitted=now_iso(),
                 cancelled=None,
             )
-    record = _read_record(p)
-    _save_record(p, record, {})
+    record = read_record(p)
+    save_record(p, record, {})
     if p.executor == "local" and wait:
-        return _run_local_window(p, todo, record, log, poll_s)
-    jobs = _submit_arrays(p, todo, record, log)
+        return run_local_window(p, todo, record, log, poll_s)
+    jobs = submit_arrays(p, todo, record, log)
     if wait:
-        _wait(p, jobs, poll_s)
+        wait_for_jobs(p, jobs, poll_s)
     return jobs
 
 
-__all__ = [
-    "Plan",
-    "Submission",
-    "SweepLocked",
-    "SweepInterrupted",
-    "plan",
-    "sweep",
-    "check_executor",
-    "describe_plan",
-    "default_root",
-]
+__all__ = ["Submission", "SweepLocked", "sweep"]
