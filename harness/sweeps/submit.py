@@ -45,6 +45,22 @@ class Submission:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _take_lock(p: Plan):
+    """The sweep's lock, held; another submission of the same sweep holding it is refused at once."""
+    import filelock
+
+    lock = filelock.FileLock(str(p.sweep_dir / ".sweep.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        raise SweepLocked(
+            f"The sweep {p.grid.name!r} is locked by another submission "
+            f"({p.sweep_dir / '.sweep.lock'}); wait for it to finish or check "
+            f"`depthmem status {p.grid.name}`."
+        ) from None
+    return lock
+
+
 def sweep(
     grid_file: str | Path,
     *,
@@ -64,8 +80,6 @@ def sweep(
     A cluster grid (its profile says ``executor: slurm``) run here with more than a handful of runs needs
     ``yes=True``: the machine would train them all.
     """
-    import filelock
-
     p = plan(
         grid_file,
         executor=executor,
@@ -87,15 +101,7 @@ def sweep(
     wait = (p.executor == "local") if wait is None else wait
     writable_dir(p.sweep_dir, "sweep folder")
     remove_stale_temps(p.sweep_dir)
-    lock = filelock.FileLock(str(p.sweep_dir / ".sweep.lock"))
-    try:
-        lock.acquire(timeout=0)
-    except filelock.Timeout:
-        raise SweepLocked(
-            f"The sweep {p.grid.name!r} is locked by another submission "
-            f"({p.sweep_dir / '.sweep.lock'}); wait for it to finish or check "
-            f"`depthmem status {p.grid.name}`."
-        ) from None
+    lock = _take_lock(p)
     try:
         # The lock is held, so the decisions are made again now that no other submission can change them.
         replan = functools.partial(
