@@ -108,6 +108,12 @@ def add_parser(sub):
         help="refuse to start on a busy machine, and write nothing if it became busy (reference numbers)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
+    _add_fit_and_loop_options(p)
+    return p
+
+
+def _add_fit_and_loop_options(p) -> None:
+    """The options of the two other measurements: what fits a card, and the training loop against a bare one."""
     fit = p.add_argument_group("what fits a card (--micro-batch-memory)")
     fit.add_argument(
         "--micro-batch-memory",
@@ -132,7 +138,6 @@ def add_parser(sub):
     loop.add_argument("--val-every", type=int, default=50, help="harness validation interval (default: 50)")
     loop.add_argument("--val-batches", type=int, default=3, help="batches per validation (default: 3)")
     loop.add_argument("--ckpt-every", type=int, default=50, help="harness checkpoint interval (default: 50)")
-    return p
 
 
 def _run_compile(args, settings) -> int:
