@@ -360,35 +360,19 @@ def _checked_settings(preset, depths, widths, seqs, dtype, device, vocab, thread
     return depths, widths, seqs, dtype
 
 
-def _meta(
-    df,
-    *,
-    preset,
-    threads,
-    device,
-    dtype,
-    batch_size,
-    repeats,
-    warmup,
-    steps_per_repeat,
-    seed,
-    references,
-    load_before,
-    others_before,
-    others_during,
-) -> dict:
+def _meta(df, device: str, load_before, others_before, others_during, run: dict) -> dict:
     """What bench_meta.json records about a run: its settings, the code and machine, and how busy the machine was."""
     return {
-        "preset": preset,
+        "preset": run["preset"],
         "vocab_size": int(df["vocab_size"].iloc[0]),
-        "threads": threads,
+        "threads": run["threads"],
         "device": device,
-        "dtype": dtype,
-        "batch_size": batch_size,
-        "repeats": repeats,
-        "warmup": warmup,
-        "steps_per_repeat": steps_per_repeat,
-        "seed": seed,
+        "dtype": run["dtype"],
+        "batch_size": run["batch_size"],
+        "repeats": run["repeats"],
+        "warmup": run["warmup"],
+        "steps_per_repeat": run["steps_per_repeat"],
+        "seed": run["seed"],
         "torch": torch.__version__,
         "git_revision": git_revision(),  # the code measured, for before/after comparisons across commits
         "cpu_count": os.cpu_count(),
@@ -399,7 +383,7 @@ def _meta(
         "others_before": others_before,
         "others_during": others_during,
         "busy": quiet.is_busy(others_before, others_during),
-        "references": references,
+        "references": run["references"],
         "gpu": torch.cuda.get_device_name(torch.device(device)) if device == "cuda" else "",
         "memory_method": (
             "torch.cuda.max_memory_allocated"
@@ -508,9 +492,7 @@ def bench(
     finally:
         torch.set_num_threads(old_threads)
     df = pd.DataFrame(rows, columns=COLUMNS)
-    df.attrs["meta"] = _meta(
-        df, device=device, load_before=load_before, others_before=others_before, others_during=during.others, **run
-    )
+    df.attrs["meta"] = _meta(df, device, load_before, others_before, during.others, run)
     if out_dir is not None:
         if require_quiet and df.attrs["meta"]["busy"]:
             _refuse_turned_busy(during.others, out_dir)

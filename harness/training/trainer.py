@@ -303,7 +303,6 @@ def _start_run_dir(
     ckpt_path: Path,
     model,
     tok,
-    *,
     step: int,
     last_loss,
     what: str,
@@ -453,18 +452,8 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     resume_from, resume_step = _resume_point(cfg, ckpt_path, model, resume, rank0)
     what = f"resuming at step {resume_step}" if resume_from else "starting"
     if rank0:
-        _start_run_dir(
-            cfg,
-            run_dir,
-            ckpt_path,
-            model,
-            tok,
-            step=resume_step,
-            last_loss=status.get("last_loss"),
-            what=what,
-            total=total,
-            fresh=resume_from is None,
-        )
+        last_loss, fresh = status.get("last_loss"), resume_from is None
+        _start_run_dir(cfg, run_dir, ckpt_path, model, tok, resume_step, last_loss, what, total, fresh)
     plain_logs = not sys.stderr.isatty()
     if rank0:
         print(
