@@ -25,7 +25,7 @@ _LAZY = {
     "train": "harness.training.trainer",
     "load_model": "harness.model.checkpoint",
     "get_tokenizer": "harness.data.corpus",
-    "prepare": "harness.data.corpus",
+    "prepare": "harness.data.shards",
     "evaluate": "harness.evaluation.evaluator",
     "sweep": "harness.sweeps.submit",
     "expand_grid": "harness.sweeps.grid",

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError, did_you_mean
-from harness.yamltext import read_yaml  # noqa: F401  (importable from here, as before)
+from harness.yamltext import read_yaml
 
 
 @dataclass(kw_only=True)

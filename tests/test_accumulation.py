@@ -63,7 +63,7 @@ def test_a_batch_that_does_not_divide_is_one_sentence():
 @pytest.mark.slow
 @pytest.mark.parametrize("profile, passes", [("gpu-40gb", 8), ("gpu-80gb", 4)])
 def test_paper_grid_is_sized_for_40_and_80_gb_cards(profile, passes, tmp_path):
-    from harness.sweeps.submit import plan
+    from harness.sweeps.planning import plan
 
     cfg = plan("experiments/paper.yaml", profile=profile, root=tmp_path).runs[0].cfg
     assert (cfg.train.batch_size, cfg.train.devices, cfg.train.num_nodes) == (256, 4, 1)

@@ -12,7 +12,8 @@ import pytest
 
 from harness.cli import main
 from harness.rundir import read_config, read_status
-from harness.sweeps.submit import plan, sweep
+from harness.sweeps.planning import plan
+from harness.sweeps.submit import sweep
 
 # Each test trains a run first.
 pytestmark = pytest.mark.slow

@@ -271,13 +271,13 @@ def test_sbatch_strings_with_control_characters_are_refused(capsys, tmp_path, wh
 def test_sbatch_check_covers_every_job_setting(tmp_path):
     """The last check before submitit writes the script: the results folder is in it too."""
     from harness.errors import UsageError
+    from harness.sweeps.execute import make_executor
     from harness.sweeps.profiles import Profile
-    from harness.sweeps.submit import _executor
 
     with pytest.raises(UsageError, match="one line of printable text.*sbatch"):
-        _executor("slurm", tmp_path / "sweep\nrm -rf x" / "jobs", Profile(), 2, "g")
+        make_executor("slurm", tmp_path / "sweep\nrm -rf x" / "jobs", Profile(), 2, "g")
     with pytest.raises(UsageError, match="one line of printable text.*sbatch"):
-        _executor("slurm", tmp_path / "jobs", Profile(setup=["module load x\x00"]), 2, "g")
+        make_executor("slurm", tmp_path / "jobs", Profile(setup=["module load x\x00"]), 2, "g")
 
 
 # -- data: corpus, shards, tokenizer --------------------------------------------------------------------------

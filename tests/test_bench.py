@@ -343,9 +343,9 @@ def test_cli_bad_list_exits_2_with_one_sentence(capsys):
 
 
 def test_variant_list_keeps_knob_commas_together():
-    from harness.commands.bench import _variant_list
+    from harness.commands.bench import variant_list
 
-    assert _variant_list("ldm-rls(groups=4,lambda=1.0),hc, preln") == ["ldm-rls(groups=4,lambda=1.0)", "hc", "preln"]
+    assert variant_list("ldm-rls(groups=4,lambda=1.0),hc, preln") == ["ldm-rls(groups=4,lambda=1.0)", "hc", "preln"]
 
 
 @pytest.mark.parametrize(

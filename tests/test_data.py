@@ -11,6 +11,7 @@ import pytest
 from harness.cli import main as cli_main
 from harness.config import build_config
 from harness.data import corpus as D
+from harness.data import shards
 from harness.data import tokenizer as toklib
 from harness.errors import UsageError
 
@@ -89,7 +90,7 @@ def test_prepare_round_trips_documents(tmp_path, docs, small_tokenizer, kind):
         inputs.append(str(tmp_path / "docs.parquet"))
     out = tmp_path / "shards"
     field = "text" if kind == "txt" else "body"
-    D.prepare(inputs, out, tokenizer=str(small_tokenizer), text_field=field, shard_tokens=200, progress=False)
+    shards.prepare(inputs, out, tokenizer=str(small_tokenizer), text_field=field, shard_tokens=200, progress=False)
     index = D.read_index(out)
     tok = D.shard_tokenizer(out)
     assert index["dtype"] == "uint16" and index["documents"] == len(docs) and len(index["shards"]) > 1
@@ -106,8 +107,8 @@ def test_prepare_round_trips_documents(tmp_path, docs, small_tokenizer, kind):
 
 
 def test_token_dtype_widens_for_large_vocabularies():
-    assert D.token_dtype(50257) == np.uint16 and D.token_dtype(65536) == np.uint16
-    assert D.token_dtype(65537) == np.uint32
+    assert shards.token_dtype(50257) == np.uint16 and shards.token_dtype(65536) == np.uint16
+    assert shards.token_dtype(65537) == np.uint32
 
 
 def test_prepare_cli_and_bad_inputs(tmp_path, docs, small_tokenizer, capsys):
@@ -164,7 +165,7 @@ def test_missing_corpus_package_says_how_to_install(monkeypatch):
 
 @pytest.mark.skip(reason="reading a Hugging Face hub dataset needs the network, which these machines do not reach")
 def test_prepare_hub_dataset(tmp_path):
-    D.prepare(["roneneldan/TinyStories"], tmp_path, split="validation", progress=False)
+    shards.prepare(["roneneldan/TinyStories"], tmp_path, split="validation", progress=False)
 
 
 def test_prepare_trains_a_bpe_of_the_asked_size_on_the_inputs(tmp_path, docs, capsys):

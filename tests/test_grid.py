@@ -16,8 +16,8 @@ from harness.cli import main
 from harness.errors import UsageError
 from harness.rundir import run_id, short_value
 from harness.sweeps.grid import combinations, expand, load_grid, nest, parse_grid
+from harness.sweeps.planning import check_executor, plan
 from harness.sweeps.profiles import load_profile
-from harness.sweeps.submit import check_executor, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import variants
-from harness.registry import Registry
 from variants.base import DepthMixer
+from variants.registry import Registry
 
 
 def test_every_registered_variant_implements_the_whole_interface():

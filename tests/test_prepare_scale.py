@@ -89,7 +89,7 @@ def test_a_subset_of_a_hub_laid_out_folder(hub_folder, tmp_path):
 
 def test_max_tokens_stops_at_the_document_that_reaches_it(hub_folder, tmp_path):
     root, docs, tok = hub_folder
-    out = D.prepare(
+    out = shards.prepare(
         [str(root)],
         tmp_path / "capped",
         tokenizer=str(tok),
@@ -107,7 +107,7 @@ def test_max_tokens_stops_at_the_document_that_reaches_it(hub_folder, tmp_path):
 def test_an_interrupted_preparation_resumes_after_its_last_shard(hub_folder, tmp_path, monkeypatch):
     root, docs, tok = hub_folder
     files = [str(root / "sample" / "10BT" / "*.parquet")]  # a glob: both files, sorted
-    fresh = D.prepare(files, tmp_path / "fresh", tokenizer=str(tok), shard_tokens=400, progress=False)
+    fresh = shards.prepare(files, tmp_path / "fresh", tokenizer=str(tok), shard_tokens=400, progress=False)
     real = shards._documents
 
     def dies_after(n):
@@ -125,20 +125,20 @@ def test_an_interrupted_preparation_resumes_after_its_last_shard(hub_folder, tmp
     out = tmp_path / "resumed"
     monkeypatch.setattr(shards, "_documents", dies_after(90))  # dies in the second file, the first one's shards written
     with pytest.raises(KeyboardInterrupt):
-        D.prepare(files, out, tokenizer=str(tok), shard_tokens=400, progress=False)
-    state = json.loads((out / D.STATE_FILE).read_text())
+        shards.prepare(files, out, tokenizer=str(tok), shard_tokens=400, progress=False)
+    state = json.loads((out / shards.STATE_FILE).read_text())
     assert not state["done"] and state["shards"] and not (out / "index.json").exists()
     kept = {s["file"]: (out / s["file"]).stat().st_mtime_ns for s in state["shards"]}
     monkeypatch.setattr(shards, "_documents", real)
-    D.prepare(files, out, tokenizer=str(tok), shard_tokens=400, progress=False)
+    shards.prepare(files, out, tokenizer=str(tok), shard_tokens=400, progress=False)
     assert {f: (out / f).stat().st_mtime_ns for f in kept} == kept  # finished shards were not rewritten
     assert _decoded(out) == _decoded(fresh) == docs
     for name in ("tokens", "documents", "shards"):
         assert D.read_index(out)[name] == D.read_index(fresh)[name]
     with pytest.raises(UsageError, match="other inputs or settings"):
-        D.prepare(files, out, tokenizer=str(tok), shard_tokens=999, progress=False)
+        shards.prepare(files, out, tokenizer=str(tok), shard_tokens=999, progress=False)
 
 
 def test_a_pattern_that_matches_nothing_is_one_sentence(tmp_path):
     with pytest.raises(UsageError, match=r"The pattern '.*\*\.parquet' matches no file\."):
-        D.prepare([str(tmp_path / "*.parquet")], tmp_path / "out", progress=False)
+        shards.prepare([str(tmp_path / "*.parquet")], tmp_path / "out", progress=False)

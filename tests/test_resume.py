@@ -90,7 +90,7 @@ def test_sigkill_then_rerun_matches_an_uninterrupted_run(tmp_path, tmp_path_fact
 def test_metrics_log_appends_and_resumes_to_exactly_the_uninterrupted_rows(tmp_path):
     """Rows are appended, not rewritten; a resumed segment keeps exactly the rows up to its checkpoint step, even
     after a killed segment left later rows and a line cut short behind."""
-    from harness.training.runfiles import METRICS_COLUMNS, CsvLog, _csv_text, _read_rows
+    from harness.training.runfiles import METRICS_COLUMNS, CsvLog, csv_text, read_metric_rows
 
     gen = torch.Generator().manual_seed(7)
     rows = [
@@ -110,13 +110,13 @@ def test_metrics_log_appends_and_resumes_to_exactly_the_uninterrupted_rows(tmp_p
         log.add([row])
     assert path.stat().st_ino == inode, "a later row rewrote the file instead of appending"
     log.sync()
-    uninterrupted = _csv_text(METRICS_COLUMNS, rows)
-    assert path.read_text() == _csv_text(METRICS_COLUMNS, rows[:9])
+    uninterrupted = csv_text(METRICS_COLUMNS, rows)
+    assert path.read_text() == csv_text(METRICS_COLUMNS, rows[:9])
 
     with open(path, "a") as f:  # what a kill mid-append could leave: a line without its end
         f.write("9,576,0.5")
     resumed_at = 5  # the checkpoint of the killed segment
-    kept = _read_rows(path, resumed_at)
+    kept = read_metric_rows(path, resumed_at)
     assert [int(r["step"]) for r in kept] == list(range(resumed_at + 1))
     log = CsvLog(path, METRICS_COLUMNS, kept)
     for row in rows[resumed_at + 1 :]:
@@ -125,7 +125,7 @@ def test_metrics_log_appends_and_resumes_to_exactly_the_uninterrupted_rows(tmp_p
 
     with open(path, "a") as f:
         f.write("1")  # a cut-off line that would read as an early step must not count either
-    assert [int(r["step"]) for r in _read_rows(path, 12)] == list(range(13))
+    assert [int(r["step"]) for r in read_metric_rows(path, 12)] == list(range(13))
 
 
 @pytest.mark.slow

@@ -20,8 +20,9 @@ from harness.errors import DepthmemError, UsageError
 from harness.io import read_json
 from harness.rundir import read_status
 from harness.sweeps.jobstate import sweep_status
+from harness.sweeps.planning import check_executor, plan
 from harness.sweeps.profiles import Profile
-from harness.sweeps.submit import check_executor, plan, sweep
+from harness.sweeps.submit import sweep
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 

@@ -15,7 +15,8 @@ from harness.cli import main
 from harness.io import read_json
 from harness.rundir import read_status
 from harness.sweeps.jobstate import sweep_status
-from harness.sweeps.submit import SweepLocked, plan, sweep
+from harness.sweeps.planning import plan
+from harness.sweeps.submit import SweepLocked, sweep
 
 # Every test here trains a sweep of runs or starts its processes.
 pytestmark = pytest.mark.slow
@@ -210,7 +211,7 @@ def test_cancel_stops_a_running_sweep_and_marks_its_runs_cancelled(tmp_path, cap
 
 
 def _group_alive(pgid: int) -> bool:
-    from harness.sweeps.jobstate import _group_alive as alive
+    from harness.sweeps.jobstate import group_alive as alive
 
     return alive(pgid)
 

@@ -16,6 +16,7 @@ from harness import rundir
 from harness.cli import main as cli_main
 from harness.config import build_config
 from harness.data import corpus as D
+from harness.data import shards
 from harness.errors import RunFailed, UsageError
 from harness.model.checkpoint import load_model
 from harness.model.diagnostics import traced_forward
@@ -289,7 +290,7 @@ def test_training_on_prepared_shards(tmp_path):
     from harness.data import tokenizer as toklib
 
     (tmp_path / "tok.json").write_text(toklib.train_bpe(texts, 512).to_json())
-    D.prepare(
+    shards.prepare(
         [str(tmp_path / f"{i}.txt") for i in range(6)],
         tmp_path / "shards",
         tokenizer=str(tmp_path / "tok.json"),

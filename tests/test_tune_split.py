@@ -10,6 +10,7 @@ import pytest
 
 from harness.config import build_config
 from harness.data import corpus as D
+from harness.data.shards import INDEX_FORMAT
 from harness.errors import UsageError
 from harness.rundir import config_hash
 
@@ -29,7 +30,7 @@ def positional_shards(tmp_path):
     for k, part in enumerate((tokens[:half], tokens[half:])):
         (folder / f"shard_{k:05d}.bin").write_bytes(part.tobytes())
         shards.append({"file": f"shard_{k:05d}.bin", "tokens": len(part), "documents": 0})
-    index = {"format": D.INDEX_FORMAT, "dtype": "uint32", "shards": shards, "eot_id": EOT, "tokenizer": "gpt2"}
+    index = {"format": INDEX_FORMAT, "dtype": "uint32", "shards": shards, "eot_id": EOT, "tokenizer": "gpt2"}
     (folder / "index.json").write_text(json.dumps(index))
     return folder
 

@@ -16,7 +16,8 @@ from harness.config import build_config
 from harness.io import read_json
 from harness.rundir import read_config
 from harness.sweeps.grid import parse_grid
-from harness.sweeps.submit import apply_overrides, plan, sweep
+from harness.sweeps.planning import apply_overrides, plan
+from harness.sweeps.submit import sweep
 from harness.sweeps.tuning import select
 
 ROOT = Path(__file__).resolve().parent.parent

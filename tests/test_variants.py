@@ -227,7 +227,7 @@ def test_canonical_names_write_out_a_default_that_follows_another_knob():
     config and its value is the listed default."""
     from dataclasses import dataclass
 
-    from harness.registry import Registry, knob
+    from variants.registry import Registry, knob
 
     registry = Registry("toy")
 

@@ -188,67 +188,25 @@ def _measure_shape(
     references,
     log,
 ) -> list[dict]:
-
+    if log:
+        log(
+            f"measuring {len(names)} variants at depth {shape.depth}, width {shape.width}, "
+            f"seq {shape.seq_len} on {device} with {threads} threads"
+        )
     cfg = model_config(preset, shape, vocab)
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(cfg.vocab_size, (batch_size, shape.seq_len + 1), generator=gen)
-    idx, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)  # (b, t) each
-    models, steps, impls = {}, {}, {}
-    for name in names:
-        torch.manual_seed(seed)  # every variant starts from the same draw, so the decoders match
-        models[name] = build_model(cfg, name).to(device).train()
-        steps[name] = step_fn(models[name], idx, targets, dtype)
-        ref = reference_model(name, models[name]) if references else None
-        if ref is not None:
-            key = name + REFERENCE
-            models[key], impls[name] = ref[0].to(device).train(), ref[1]
-            steps[key] = step_fn(models[key], idx, targets, dtype)
+    models, steps, impls = _build_steps(names, cfg, shape, batch_size, device, dtype, seed, references)
     timed = list(models)
-
     for _ in range(warmup):
         for name in timed:
             steps[name]()
             models[name].zero_grad(set_to_none=True)
 
-    times: dict[str, list[float]] = {n: [] for n in timed}
-    ratios: dict[str, list[float]] = {n: [] for n in timed}
-    extras: dict[str, list[float]] = {n: [] for n in timed}
-    vs_ref: dict[str, list[float]] = {n: [] for n in impls}
-    for r, order in enumerate(schedule(names, repeats, list(impls))):
-        gc.collect()
-        gc.disable()  # a collection inside a timed step is noise of the harness, not of the variant
-        try:
-            measured = []
-            for name in order:
-                measured.append((name, time_steps(steps[name], steps_per_repeat, device)))
-                models[name].zero_grad(set_to_none=True)
-        finally:
-            gc.enable()
-        this = {}
-        for i, (name, sec) in enumerate(measured):
-            times[name].append(sec)
-            this[name] = sec
-            if name != BASELINE:
-                before = next(s for n, s in reversed(measured[:i]) if n == BASELINE)
-                after = next(s for n, s in measured[i + 1 :] if n == BASELINE)
-                base = (before + after) / 2
-                ratios[name].append(sec / base)
-                extras[name].append(sec - base)
-        for name in impls:
-            if name == BASELINE:  # PreLN against the plain trunk, from the trunk's two PreLN neighbours
-                vs_ref[name].append(1.0 / ratios[name + REFERENCE][-1])
-            else:
-                vs_ref[name].append(this[name] / this[name + REFERENCE])
-        # PreLN against its neighbour PreLN: the drift the sandwich has to absorb, reported as its spread.
-        base_times = [s for n, s in measured if n == BASELINE]
-        ratios[BASELINE] += [b / a for a, b in zip(base_times, base_times[1:])] or [1.0]
+    def done(r: int) -> None:
         if log:
             log(f"  {shape}: repeat {r + 1}/{repeats} done")
 
-    memory = {}
-    for name in timed:
-        memory[name] = peak_step_bytes(models[name], steps[name], device)
-
+    times, ratios, extras, vs_ref = _time_rounds(names, models, steps, impls, repeats, steps_per_repeat, device, done)
+    memory = {name: peak_step_bytes(models[name], steps[name], device) for name in timed}
     rows = []
     base_mem = memory[BASELINE][0]
     for name in names:
@@ -256,28 +214,7 @@ def _measure_shape(
         ratio_time = 1.0 if name == BASELINE else statistics.median(ratios[name])
         mem, saved = memory[name]
         ratio_mem = mem / base_mem
-        ref = {
-            "ref_impl": "",
-            "ref_step_time_ms": math.nan,
-            "ref_peak_mem_bytes": math.nan,
-            "ratio_time_vs_ref": math.nan,
-            "ratio_time_vs_ref_iqr": math.nan,
-            "ratio_mem_vs_ref": math.nan,
-            "vs_ref": "",
-        }
-        if name in impls:
-            key = name + REFERENCE
-            vt = statistics.median(vs_ref[name])
-            ref.update(
-                ref_impl=impls[name],
-                ref_step_time_ms=statistics.median(times[key]) * 1e3,
-                ref_peak_mem_bytes=memory[key][0],
-                ratio_time_vs_ref=vt,
-                ratio_time_vs_ref_iqr=_iqr(vs_ref[name]),
-                ratio_mem_vs_ref=mem / memory[key][0],
-                # No faster than its own straightforward form is a failure, beyond the run's noise.
-                vs_ref="slower" if vt > 1.0 + max(0.02, _iqr(vs_ref[name])) else "ok",
-            )
+        ref = _reference_columns(name, impls, times, memory, vs_ref)
         target, mark = target_of(name, shape.depth)
         if name == BASELINE:
             met = mark(ref["ratio_time_vs_ref"], ref["ratio_mem_vs_ref"]) if name in impls else ""
@@ -315,6 +252,175 @@ def _measure_shape(
     return rows
 
 
+def _build_steps(names, cfg, shape, batch_size, device, dtype, seed, references):
+    """Each variant's model and training step on one batch, and with ``references`` its reference beside it."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(cfg.vocab_size, (batch_size, shape.seq_len + 1), generator=gen)
+    idx, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)  # (b, t) each
+    models, steps, impls = {}, {}, {}
+    for name in names:
+        torch.manual_seed(seed)  # every variant starts from the same draw, so the decoders match
+        models[name] = build_model(cfg, name).to(device).train()
+        steps[name] = step_fn(models[name], idx, targets, dtype)
+        ref = reference_model(name, models[name]) if references else None
+        if ref is not None:
+            key = name + REFERENCE
+            models[key], impls[name] = ref[0].to(device).train(), ref[1]
+            steps[key] = step_fn(models[key], idx, targets, dtype)
+    return models, steps, impls
+
+
+def _time_rounds(names, models, steps, impls, repeats, steps_per_repeat, device, done):
+    """Step times by model over the repeats, and each one's ratio and extra time against its PreLN neighbours."""
+    timed = list(models)
+    times: dict[str, list[float]] = {n: [] for n in timed}
+    ratios: dict[str, list[float]] = {n: [] for n in timed}
+    extras: dict[str, list[float]] = {n: [] for n in timed}
+    vs_ref: dict[str, list[float]] = {n: [] for n in impls}
+    for r, order in enumerate(schedule(names, repeats, list(impls))):
+        gc.collect()
+        gc.disable()  # a collection inside a timed step is noise of the harness, not of the variant
+        try:
+            measured = []
+            for name in order:
+                measured.append((name, time_steps(steps[name], steps_per_repeat, device)))
+                models[name].zero_grad(set_to_none=True)
+        finally:
+            gc.enable()
+        this = {}
+        for i, (name, sec) in enumerate(measured):
+            times[name].append(sec)
+            this[name] = sec
+            if name != BASELINE:
+                before = next(s for n, s in reversed(measured[:i]) if n == BASELINE)
+                after = next(s for n, s in measured[i + 1 :] if n == BASELINE)
+                base = (before + after) / 2
+                ratios[name].append(sec / base)
+                extras[name].append(sec - base)
+        for name in impls:
+            if name == BASELINE:  # PreLN against the plain trunk, from the trunk's two PreLN neighbours
+                vs_ref[name].append(1.0 / ratios[name + REFERENCE][-1])
+            else:
+                vs_ref[name].append(this[name] / this[name + REFERENCE])
+        # PreLN against its neighbour PreLN: the drift the sandwich has to absorb, reported as its spread.
+        base_times = [s for n, s in measured if n == BASELINE]
+        ratios[BASELINE] += [b / a for a, b in zip(base_times, base_times[1:])] or [1.0]
+        done(r)
+    return times, ratios, extras, vs_ref
+
+
+def _reference_columns(name, impls, times, memory, vs_ref) -> dict:
+    """The columns comparing a variant with its reference implementation (NaN and blank without one)."""
+    mem = memory[name][0]
+    ref = {
+        "ref_impl": "",
+        "ref_step_time_ms": math.nan,
+        "ref_peak_mem_bytes": math.nan,
+        "ratio_time_vs_ref": math.nan,
+        "ratio_time_vs_ref_iqr": math.nan,
+        "ratio_mem_vs_ref": math.nan,
+        "vs_ref": "",
+    }
+    if name in impls:
+        key = name + REFERENCE
+        vt = statistics.median(vs_ref[name])
+        ref.update(
+            ref_impl=impls[name],
+            ref_step_time_ms=statistics.median(times[key]) * 1e3,
+            ref_peak_mem_bytes=memory[key][0],
+            ratio_time_vs_ref=vt,
+            ratio_time_vs_ref_iqr=_iqr(vs_ref[name]),
+            ratio_mem_vs_ref=mem / memory[key][0],
+            # No faster than its own straightforward form is a failure, beyond the run's noise.
+            vs_ref="slower" if vt > 1.0 + max(0.02, _iqr(vs_ref[name])) else "ok",
+        )
+    return ref
+
+
+def _checked_settings(preset, depths, widths, seqs, dtype, device, vocab, threads, counts: dict):
+    """The shapes to measure and the dtype, once every setting is one the benchmark accepts."""
+    if preset not in PRESETS:
+        model_preset(preset)
+    base = PRESETS[preset]
+    depths = _positive_ints("--depths", depths or (2 * base["n_blocks"],), even=True)
+    widths = _positive_ints("--widths", widths or (base["d_model"],))
+    seqs = _positive_ints("--seq", seqs)
+    for label, (value, least) in counts.items():
+        if int(value) != value or value < least:
+            raise UsageError(f"{label} must be an integer of at least {least}, got {value}.")
+    if vocab is not None and vocab < 2:
+        raise UsageError(f"--vocab must be an integer of at least 2, got {vocab}.")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be a positive integer, got {threads}.")
+    dtype = _normalise_dtype(dtype)
+    if device not in DEVICES:
+        raise UsageError(f"Unknown device {device!r}: allowed values are {', '.join(DEVICES)}.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
+    return depths, widths, seqs, dtype
+
+
+def _meta(df, device: str, load_before, others_before, others_during, run: dict) -> dict:
+    """What bench_meta.json records about a run: its settings, the code and machine, and how busy the machine was."""
+    return {
+        "preset": run["preset"],
+        "vocab_size": int(df["vocab_size"].iloc[0]),
+        "threads": run["threads"],
+        "device": device,
+        "dtype": run["dtype"],
+        "batch_size": run["batch_size"],
+        "repeats": run["repeats"],
+        "warmup": run["warmup"],
+        "steps_per_repeat": run["steps_per_repeat"],
+        "seed": run["seed"],
+        "torch": torch.__version__,
+        "git_revision": git_revision(),  # the code measured, for before/after comparisons across commits
+        "cpu_count": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "loadavg_before": load_before,
+        "loadavg_after": quiet.loadavg(),
+        # Cores other processes kept busy, in the second before and on average during the run (quiet.py).
+        "others_before": others_before,
+        "others_during": others_during,
+        "busy": quiet.is_busy(others_before, others_during),
+        "references": run["references"],
+        "gpu": torch.cuda.get_device_name(torch.device(device)) if device == "cuda" else "",
+        "memory_method": (
+            "torch.cuda.max_memory_allocated"
+            if device == "cuda"
+            else "torch.profiler allocator totals (profile_memory=True)"
+        ),
+    }
+
+
+def _check_models_build(names, grid, preset, vocab) -> None:
+    """Every variant builds at every shape, checked before anything is timed."""
+    import variants as registry
+
+    for shape in grid:
+        cfg = model_config(preset, shape, vocab)
+        for name in names:
+            registry.validate(name, d_model=cfg.d_model, n_layers=cfg.n_layers)
+
+
+def _refuse_busy(others: float, made_out_dir) -> None:
+    """Refuse a busy machine; a refused run leaves nothing behind, not even the empty folder it made."""
+    if made_out_dir is not None and not any(Path(made_out_dir).iterdir()):
+        Path(made_out_dir).rmdir()
+    raise RunFailed(
+        f"The machine is busy (other processes keep {others:.2f} of its {os.cpu_count()} CPUs busy, "
+        f"more than {quiet.OTHERS_LIMIT}): reference numbers need a quiet machine; try again later."
+    )
+
+
+def _refuse_turned_busy(others: float, out_dir) -> None:
+    raise RunFailed(
+        f"The machine became busy during the run (other processes kept {others:.2f} of its "
+        f"{os.cpu_count()} CPUs busy on average, more than {quiet.OTHERS_LIMIT}): nothing was written to "
+        f"{str(out_dir)!r}; run it again later."
+    )
+
+
 def bench(
     variants: Sequence[str] | None = None,
     *,
@@ -348,41 +454,16 @@ def bench(
     import pandas as pd
 
     names = resolve_variants(variants)
-    if preset not in PRESETS:
-        model_preset(preset)
-    base = PRESETS[preset]
-    depths = _positive_ints("--depths", depths or (2 * base["n_blocks"],), even=True)
-    widths = _positive_ints("--widths", widths or (base["d_model"],))
-    seqs = _positive_ints("--seq", seqs)
-    for label, value, least in (
-        ("--batch-size", batch_size, 1),
-        ("--repeats", repeats, 1),
-        ("--warmup", warmup, 0),
-        ("--steps-per-repeat", steps_per_repeat, 1),
-    ):
-        if int(value) != value or value < least:
-            raise UsageError(f"{label} must be an integer of at least {least}, got {value}.")
-    if vocab is not None and vocab < 2:
-        raise UsageError(f"--vocab must be an integer of at least 2, got {vocab}.")
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be a positive integer, got {threads}.")
-    dtype = _normalise_dtype(dtype)
-    if device not in DEVICES:
-        raise UsageError(f"Unknown device {device!r}: allowed values are {', '.join(DEVICES)}.")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
+    counts = {"--batch-size": (batch_size, 1), "--repeats": (repeats, 1), "--warmup": (warmup, 0)}
+    counts["--steps-per-repeat"] = (steps_per_repeat, 1)
+    depths, widths, seqs, dtype = _checked_settings(preset, depths, widths, seqs, dtype, device, vocab, threads, counts)
     made_out_dir = out_dir is not None and not Path(out_dir).exists()
     if out_dir is not None:
         writable_dir(out_dir, "benchmark output folder")  # before the measurements, not after them
     dev = torch.device(device)
 
-    import variants as registry
-
     grid = [Shape(L, d, T) for T in seqs for d in widths for L in depths]
-    for shape in grid:  # every model must build before anything is timed
-        cfg = model_config(preset, shape, vocab)
-        for name in names:
-            registry.validate(name, d_model=cfg.d_model, n_layers=cfg.n_layers)
+    _check_models_build(names, grid, preset, vocab)
 
     old_threads = torch.get_num_threads()
     threads = threads or old_threads
@@ -391,75 +472,29 @@ def bench(
     others_before = quiet.others_now()
     if require_quiet and quiet.is_busy(others_before):
         torch.set_num_threads(old_threads)
-        if made_out_dir and not any(Path(out_dir).iterdir()):
-            Path(out_dir).rmdir()  # a refused run leaves nothing behind, not even its empty folder
-        raise RunFailed(
-            f"The machine is busy (other processes keep {others_before:.2f} of its {os.cpu_count()} CPUs busy, "
-            f"more than {quiet.OTHERS_LIMIT}): reference numbers need a quiet machine; try again later."
-        )
+        _refuse_busy(others_before, out_dir if made_out_dir else None)
+    run = dict(
+        preset=preset,
+        batch_size=batch_size,
+        dtype=dtype,
+        repeats=repeats,
+        warmup=warmup,
+        steps_per_repeat=steps_per_repeat,
+        seed=seed,
+        threads=threads,
+        references=references,
+    )
     rows = []
     try:
         with quiet.OtherLoad() as during:
             for shape in grid:
-                if log:
-                    log(
-                        f"measuring {len(names)} variants at depth {shape.depth}, width {shape.width}, "
-                        f"seq {shape.seq_len} on {device} with {threads} threads"
-                    )
-                rows += _measure_shape(
-                    names,
-                    shape,
-                    preset=preset,
-                    vocab=vocab,
-                    batch_size=batch_size,
-                    device=dev,
-                    dtype=dtype,
-                    repeats=repeats,
-                    warmup=warmup,
-                    steps_per_repeat=steps_per_repeat,
-                    seed=seed,
-                    threads=threads,
-                    references=references,
-                    log=log,
-                )
+                rows += _measure_shape(names, shape, vocab=vocab, device=dev, log=log, **run)
     finally:
         torch.set_num_threads(old_threads)
     df = pd.DataFrame(rows, columns=COLUMNS)
-    df.attrs["meta"] = {
-        "preset": preset,
-        "vocab_size": int(df["vocab_size"].iloc[0]),
-        "threads": threads,
-        "device": device,
-        "dtype": dtype,
-        "batch_size": batch_size,
-        "repeats": repeats,
-        "warmup": warmup,
-        "steps_per_repeat": steps_per_repeat,
-        "seed": seed,
-        "torch": torch.__version__,
-        "git_revision": git_revision(),  # the code measured, for before/after comparisons across commits
-        "cpu_count": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(),
-        "loadavg_before": load_before,
-        "loadavg_after": quiet.loadavg(),
-        # Cores other processes kept busy, in the second before and on average during the run (quiet.py).
-        "others_before": others_before,
-        "others_during": during.others,
-        "busy": quiet.is_busy(others_before, during.others),
-        "references": references,
-        "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else "",
-        "memory_method": (
-            "torch.cuda.max_memory_allocated"
-            if device == "cuda"
-            else "torch.profiler allocator totals (profile_memory=True)"
-        ),
-    }
+    df.attrs["meta"] = _meta(df, device, load_before, others_before, during.others, run)
     if out_dir is not None:
         if require_quiet and df.attrs["meta"]["busy"]:
-            raise RunFailed(
-                f"The machine became busy during the run (other processes kept {during.others:.2f} of its "
-                f"{os.cpu_count()} CPUs busy on average, more than {quiet.OTHERS_LIMIT}): nothing was written to "
-                f"{str(out_dir)!r}; run it again later."
-            )
+            _refuse_turned_busy(during.others, out_dir)
         write_outputs(df, out_dir)
     return df

@@ -170,6 +170,74 @@ def harness_loop(cfg, run_dir: Path) -> tuple[float, float]:
     return seconds, wall
 
 
+def _check_loop_settings(counts: dict, threads: int | None, device: str) -> None:
+    for label, (value, least) in counts.items():
+        if int(value) != value or value < least:
+            raise UsageError(f"{label} must be an integer of at least {least}, got {value}.")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be a positive integer, got {threads}.")
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but this machine has no CUDA GPU; use --device cpu.")
+
+
+def _loop_configs(variants: Sequence[str], preset: str, seq_len: int, **settings) -> dict:
+    """The run config of each variant, once the sequence fits the preset."""
+    cfgs = {}
+    for name in variants:
+        cfg = run_config(name, preset, seq_len=seq_len, **settings)
+        if seq_len > cfg.model.max_seq_len:
+            raise UsageError(
+                f"--seq must not exceed the preset's max_seq_len ({cfg.model.max_seq_len}), got {seq_len}."
+            )
+        cfgs[name] = cfg
+    return cfgs
+
+
+def _time_variant(name: str, cfg, steps: int, rounds: int, tmp: str, log) -> dict:
+    """Bare and harness run times of one variant, alternating, and how busy the machine was meanwhile."""
+    load_before, others_before = quiet.loadavg(), quiet.others_now()
+    if log:
+        log(f"{name}: bare loop, {steps} steps (other processes: {others_before} cores busy)")
+    with quiet.OtherLoad() as during:
+        bares, harnesses, wall = [bare_loop(cfg, steps)], [], 0.0
+        for r in range(rounds):
+            if log:
+                log(f"{name}: depthmem train, {steps} steps (round {r + 1}/{rounds})")
+            seconds, wall = harness_loop(cfg, Path(tmp) / f"{_folder(name)}-{r}")
+            harnesses.append(seconds)
+            if log:
+                log(f"{name}: bare loop again")
+            bares.append(bare_loop(cfg, steps))
+    return {
+        "bares": bares,
+        "harnesses": harnesses,
+        "harness_wall_s": wall,
+        "loadavg_before": load_before,
+        "loadavg_after": quiet.loadavg(),
+        "others_before": others_before,
+        "others_during": during.others,
+        "busy": quiet.is_busy(others_before, during.others),
+    }
+
+
+def _cost_columns(timed: dict, tokens: int) -> dict:
+    """Token rates of the bare and harness runs, and the harness's cost over the bare loop."""
+    bares, harnesses = timed["bares"], timed["harnesses"]
+    # Each harness run against the mean of the two bare runs around it; the median over rounds.
+    costs = [h / ((bares[r] + bares[r + 1]) / 2) - 1 for r, h in enumerate(harnesses)]
+    return {
+        "bare_tokens_per_s": tokens / statistics.median(bares[:-1]),
+        "bare_tokens_per_s_after": tokens / statistics.median(bares[1:]),
+        "harness_tokens_per_s": tokens / statistics.median(harnesses),
+        # The harness's time over the mean time of the two bare runs around it, minus 1.
+        "harness_cost": statistics.median(costs),
+        # How far the bare runs themselves spread, over their mean: the resolution of the cost.
+        "bare_spread": (max(bares) - min(bares)) / statistics.mean(bares),
+    }
+
+
 def loop_bench(
     variants: Sequence[str] = ("preln", "ldm-rls"),
     *,
@@ -196,45 +264,14 @@ def loop_bench(
     the median over rounds of each harness run's time over the mean of its two neighbours, minus 1."""
     import pandas as pd
 
-    for label, value, least in (
-        ("--steps", steps, 3),
-        ("--repeats", rounds, 1),
-        ("--log-every", log_every, 1),
-        ("--val-every", val_every, 1),
-        ("--val-batches", val_batches, 0),
-        ("--ckpt-every", ckpt_every, 1),
-        ("--batch-size", batch_size, 1),
-        ("--seq", seq_len, 2),
-    ):
-        if int(value) != value or value < least:
-            raise UsageError(f"{label} must be an integer of at least {least}, got {value}.")
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be a positive integer, got {threads}.")
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda, got {device!r}.")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda asked for, but this machine has no CUDA GPU; use --device cpu.")
-    cfgs = {}
-    for name in variants:
-        cfg = run_config(
-            name,
-            preset,
-            steps=steps,
-            log_every=log_every,
-            val_every=val_every,
-            val_batches=val_batches,
-            ckpt_every=ckpt_every,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            seed=seed,
-            device=device,
-        )
-        if seq_len > cfg.model.max_seq_len:
-            raise UsageError(
-                f"--seq must not exceed the preset's max_seq_len ({cfg.model.max_seq_len}), got {seq_len}."
-            )
-        cfgs[name] = cfg
-
+    counts = {"--steps": (steps, 3), "--repeats": (rounds, 1), "--log-every": (log_every, 1)}
+    counts |= {"--val-every": (val_every, 1), "--val-batches": (val_batches, 0), "--ckpt-every": (ckpt_every, 1)}
+    counts |= {"--batch-size": (batch_size, 1), "--seq": (seq_len, 2)}
+    _check_loop_settings(counts, threads, device)
+    every = {"log_every": log_every, "val_every": val_every, "val_batches": val_batches, "ckpt_every": ckpt_every}
+    cfgs = _loop_configs(
+        variants, preset, seq_len, steps=steps, batch_size=batch_size, seed=seed, device=device, **every
+    )
     old_threads = torch.get_num_threads()
     threads = threads or old_threads
     torch.set_num_threads(threads)
@@ -243,25 +280,7 @@ def loop_bench(
     try:
         with tempfile.TemporaryDirectory(prefix="depthmem-loop-") as tmp:
             for name, cfg in cfgs.items():
-                load_before, others_before = quiet.loadavg(), quiet.others_now()
-                if log:
-                    log(f"{name}: bare loop, {steps} steps (other processes: {others_before} cores busy)")
-                with quiet.OtherLoad() as during:
-                    bares, harnesses, wall = [bare_loop(cfg, steps)], [], 0.0
-                    for r in range(rounds):
-                        if log:
-                            log(f"{name}: depthmem train, {steps} steps (round {r + 1}/{rounds})")
-                        seconds, wall = harness_loop(cfg, Path(tmp) / f"{_folder(name)}-{r}")
-                        harnesses.append(seconds)
-                        if log:
-                            log(f"{name}: bare loop again")
-                        bares.append(bare_loop(cfg, steps))
-                load_after = quiet.loadavg()
-                # Each harness run against the mean of the two bare runs around it; the median over rounds.
-                costs = [h / ((bares[r] + bares[r + 1]) / 2) - 1 for r, h in enumerate(harnesses)]
-                bare, bare_after = statistics.median(bares[:-1]), statistics.median(bares[1:])
-                bare_rate, bare_after_rate = tokens / bare, tokens / bare_after
-                harness_rate = tokens / statistics.median(harnesses)
+                timed = _time_variant(name, cfg, steps, rounds, tmp, log)
                 rows.append(
                     {
                         "variant": cfg.variant,
@@ -270,25 +289,11 @@ def loop_bench(
                         "timed_steps": steps - 1,
                         "batch_size": batch_size,
                         "seq_len": seq_len,
-                        "log_every": log_every,
-                        "val_every": val_every,
-                        "val_batches": val_batches,
-                        "ckpt_every": ckpt_every,
-                        "bare_tokens_per_s": bare_rate,
-                        "bare_tokens_per_s_after": bare_after_rate,
-                        "harness_tokens_per_s": harness_rate,
-                        # The harness's time over the mean time of the two bare runs around it, minus 1.
-                        "harness_cost": statistics.median(costs),
+                        **every,
+                        **_cost_columns(timed, tokens),
                         "rounds": rounds,
-                        # How far the bare runs themselves spread, over their mean: the resolution of the cost.
-                        "bare_spread": (max(bares) - min(bares)) / statistics.mean(bares),
-                        "harness_wall_s": wall,
                         "threads": threads,
-                        "loadavg_before": load_before,
-                        "loadavg_after": load_after,
-                        "others_before": others_before,
-                        "others_during": during.others,
-                        "busy": quiet.is_busy(others_before, during.others),
+                        **{k: v for k, v in timed.items() if k not in ("bares", "harnesses")},
                     }
                 )
     finally:

@@ -214,6 +214,37 @@ def check_compile(variant: str, cfg, *, steps: int, seed: int = 0) -> dict[str, 
     return {"variant": variant, "steps": steps, "max_loss_diff": diff, "ok": diff <= 1e-4}
 
 
+def _checked_names(device: str, variants, check_preset: str, counts: dict[str, int]) -> list[str]:
+    """The variants to test, once the device is there, every count is positive and every variant builds."""
+    import variants as registry
+
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"Unknown device {device!r}: allowed values are cpu, cuda.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
+    for name, value in counts.items():
+        if value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value}.")
+    names = list(variants) if variants else registry.names()
+    for name in names:
+        registry.validate(
+            name, d_model=model_preset(check_preset).d_model, n_layers=model_preset(check_preset).n_layers
+        )
+    return names
+
+
+def _measure_speeds(report: dict, names, dev, modes, speed: dict, say) -> None:
+    """Tokens/s and TFLOP/s of every variant, eager and (where ``modes`` asks) compiled, into ``report``."""
+    for compiled in modes:
+        for name in names:
+            row = measure_speed(name, dev, compiled=compiled, **speed)
+            report["speed_compiled" if compiled else "speed"].append(row)
+            how = ", compiled" if compiled else ""
+            say(f"speed {name}{how}: {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.2f} TFLOP/s")
+            if compiled:
+                torch._dynamo.reset()
+
+
 def selftest(
     device: str = "cuda",
     *,
@@ -234,26 +265,10 @@ def selftest(
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run every part on ``device``; returns (and writes to ``out_dir/selftest.json``) what each part found."""
-    import variants as registry
-
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"Unknown device {device!r}: allowed values are cpu, cuda.")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but no CUDA device is available; use --device cpu.")
-    for name, value in (
-        ("--train-steps", train_steps),
-        ("--bench-steps", bench_steps),
-        ("--bench-seq", bench_seq),
-        ("--bench-batch", bench_batch),
-        ("--compile-steps", compile_steps),
-    ):
-        if value < 1:
-            raise UsageError(f"{name} must be a positive integer, got {value}.")
-    names = list(variants) if variants else registry.names()
-    for name in names:
-        registry.validate(
-            name, d_model=model_preset(check_preset).d_model, n_layers=model_preset(check_preset).n_layers
-        )
+    counts = {"--train-steps": train_steps, "--bench-steps": bench_steps, "--bench-seq": bench_seq}
+    names = _checked_names(
+        device, variants, check_preset, {**counts, "--bench-batch": bench_batch, "--compile-steps": compile_steps}
+    )
     dev = torch.device(device)
     out_dir = Path(out_dir)
     say = log or (lambda _msg: None)
@@ -294,14 +309,7 @@ def selftest(
         peak_tflops=peak,
     )
     # Studies train compiled on a GPU (train.compile=auto): there its speed is measured beside eager's.
-    for compiled in (False, True) if compile or device == "cuda" else (False,):
-        for name in names:
-            row = measure_speed(name, dev, compiled=compiled, **speed)
-            report["speed_compiled" if compiled else "speed"].append(row)
-            how = ", compiled" if compiled else ""
-            say(f"speed {name}{how}: {row['tokens_per_s']:,.0f} tokens/s, {row['tflops']:.2f} TFLOP/s")
-            if compiled:
-                torch._dynamo.reset()
+    _measure_speeds(report, names, dev, (False, True) if compile or device == "cuda" else (False,), speed, say)
     if compile:
         for name in names:
             report["compile"].append(row := check_compile(name, check_cfg, steps=compile_steps))

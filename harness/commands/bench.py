@@ -24,7 +24,7 @@ def _int_list(flag: str, text: str | None) -> list[int] | None:
     return values
 
 
-def _variant_list(text: str) -> list[str]:
+def variant_list(text: str) -> list[str]:
     # Knobs contain commas too (ldm-rls(groups=4,lambda=1.0)), so split only outside parentheses.
     out, depth, current = [], 0, ""
     for ch in text:
@@ -48,7 +48,7 @@ def add_parser(sub):
     )
     p.add_argument(
         "--variants",
-        type=_variant_list,
+        type=variant_list,
         default=None,
         help="comma-separated variant names with optional knobs (default: all registered)",
     )
@@ -108,6 +108,12 @@ def add_parser(sub):
         help="refuse to start on a busy machine, and write nothing if it became busy (reference numbers)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the resolved settings and exit")
+    _add_fit_and_loop_options(p)
+    return p
+
+
+def _add_fit_and_loop_options(p) -> None:
+    """The options of the two other measurements: what fits a card, and the training loop against a bare one."""
     fit = p.add_argument_group("what fits a card (--micro-batch-memory)")
     fit.add_argument(
         "--micro-batch-memory",
@@ -132,7 +138,6 @@ def add_parser(sub):
     loop.add_argument("--val-every", type=int, default=50, help="harness validation interval (default: 50)")
     loop.add_argument("--val-batches", type=int, default=3, help="batches per validation (default: 3)")
     loop.add_argument("--ckpt-every", type=int, default=50, help="harness checkpoint interval (default: 50)")
-    return p
 
 
 def _run_compile(args, settings) -> int:

@@ -65,7 +65,8 @@ def run(args) -> int:
         print(json.dumps({k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}, indent=2))
         return 0
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
-    from harness.data.corpus import prepare, read_index
+    from harness.data.corpus import read_index
+    from harness.data.shards import prepare
 
     out = prepare(
         args.inputs,

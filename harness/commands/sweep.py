@@ -6,9 +6,11 @@ from pathlib import Path
 
 from harness.commands.train import check_overrides
 from harness.errors import UsageError
+from harness.sweeps.announce import describe_plan
 from harness.sweeps.grid import combinations, load_grid
 from harness.sweeps.jobstate import axis_columns, format_rows
-from harness.sweeps.submit import check_executor, describe_plan, plan, sweep
+from harness.sweeps.planning import check_executor, plan
+from harness.sweeps.submit import sweep
 
 
 def add_parser(sub):

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 from harness import preflight
-from harness.config import build_config, load_config, read_yaml
+from harness.config import build_config, load_config
 from harness.errors import UsageError
+from harness.yamltext import read_yaml
 
 
 def add_parser(sub):

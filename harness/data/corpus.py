@@ -28,9 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.data import tokenizer as toklib
-
-# Preparing shards has a module of its own; its names stay importable from here, where callers found them first.
-from harness.data.shards import INDEX_FORMAT, STATE_FILE, prepare, token_dtype  # noqa: F401
+from harness.data.shards import INDEX_FORMAT, token_dtype
 from harness.errors import UsageError
 from harness.io import DamagedFile, atomic_write_bytes, atomic_write_json, read_json
 

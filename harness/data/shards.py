@@ -218,30 +218,8 @@ def _bpe_size(tokenizer: str) -> int | None:
     return size
 
 
-def prepare(
-    inputs: list[str],
-    out: str | os.PathLike,
-    *,
-    tokenizer: str = "gpt2",
-    text_field: str = "text",
-    split: str = "train",
-    config: str | None = None,
-    max_tokens: int | None = None,
-    shard_tokens: int = 50_000_000,
-    resume: bool = True,
-    progress: bool = True,
-    preset: str | None = None,
-) -> Path:
-    """Tokenize documents into a shard folder (flat token files and ``index.json``); returns the folder.
-
-    ``tokenizer`` is ``gpt2``, the path of a ``tokenizer.json``, or ``bpe:N`` for a byte-level BPE of N tokens
-    trained on the inputs. With ``preset``, a tokenizer larger than the preset's vocabulary is refused first.
-    ``max_tokens`` stops at the end of the document that reaches it. Every finished shard is recorded in
-    ``prepare_state.json`` with how many documents of each input it consumed, so an interrupted preparation
-    run again with the same arguments continues after its last shard instead of starting over.
-    """
-    from tqdm.auto import tqdm
-
+def _checked_inputs(inputs: list[str], shard_tokens: int, max_tokens: int | None) -> list[str]:
+    """The inputs with folders and patterns expanded, once the limits are positive and every local file has text."""
     if not inputs:
         raise UsageError("depthmem prepare needs at least one input: text, .jsonl or .parquet files or a dataset name.")
     if shard_tokens < 1:
@@ -255,48 +233,38 @@ def prepare(
             raise UsageError(f"The input {path!r} is not a readable file (text, .jsonl or .parquet).")
         if p.is_file() and p.stat().st_size == 0:
             raise UsageError(f"The input {path!r} is empty: there is nothing in it to prepare.")
-    bpe_size = _bpe_size(tokenizer)
-    if preset is not None:  # before any work: will the model this corpus is for fit its tokenizer?
-        vocab = model_preset(preset).vocab_size
-        size = bpe_size or (toklib.GPT2_VOCAB_SIZE if tokenizer == "gpt2" else toklib.from_file(tokenizer).vocab_size)
-        if size > vocab:
-            raise UsageError(
-                f"The tokenizer has {size} tokens but the preset {preset!r} has model.vocab_size "
-                f"{vocab}: train on this corpus with model.vocab_size={size}, or prepare it with "
-                f"--tokenizer bpe:{vocab}."
-            )
-    out = writable_dir(out, "shard folder")
-    remove_stale_temps(out)
-    if tokenizer == "gpt2":
-        tok, tok_ref = toklib.gpt2(), "gpt2"
-    elif bpe_size:
-        # A byte-level BPE of the asked size, trained on these very documents, then used to encode them.
-        tok = toklib.train_bpe((t for path in inputs for t in _documents(path, text_field, split, config)), bpe_size)
-        tok_ref = "tokenizer.json"
-        atomic_write_text(out / "tokenizer.json", tok.to_json())
-    else:
-        tok, tok_ref = toklib.from_file(tokenizer), "tokenizer.json"
-        atomic_write_text(out / "tokenizer.json", tok.to_json())
-    dtype = token_dtype(tok.vocab_size)
-    settings = {
-        "inputs": [str(i) for i in inputs],
-        "tokenizer": tok_ref,
-        "tokenizer_fingerprint": tok.fingerprint(),
-        "text_field": text_field,
-        "split": split,
-        "config": config,
-        "shard_tokens": shard_tokens,
-        "max_tokens": max_tokens,
-    }
-    state = read_json(out / STATE_FILE) if resume else None
-    if state is not None and state.get("settings") != settings:
+    return inputs
+
+
+def _check_fits_preset(tokenizer: str, bpe_size: int | None, preset: str) -> None:
+    """Refuse, before any work, a tokenizer larger than the vocabulary of the model this corpus is for."""
+    vocab = model_preset(preset).vocab_size
+    size = bpe_size or (toklib.GPT2_VOCAB_SIZE if tokenizer == "gpt2" else toklib.from_file(tokenizer).vocab_size)
+    if size > vocab:
         raise UsageError(
-            f"{out} holds an unfinished preparation of other inputs or settings; give another --out, "
-            f"or start over with --no-resume."
+            f"The tokenizer has {size} tokens but the preset {preset!r} has model.vocab_size "
+            f"{vocab}: train on this corpus with model.vocab_size={size}, or prepare it with "
+            f"--tokenizer bpe:{vocab}."
         )
-    if state is not None and state.get("done") and (out / "index.json").exists():
-        return out
-    state = state or {"settings": settings, "shards": [], "consumed": [0] * len(inputs), "done": False}
+
+
+def _shard_tokenizer(tokenizer: str, bpe_size: int | None, inputs: list[str], out: Path, read: tuple):
+    """The tokenizer and how the index names it; one not built in is saved as ``tokenizer.json`` in ``out``."""
+    if tokenizer == "gpt2":
+        return toklib.gpt2(), "gpt2"
+    if bpe_size:
+        # A byte-level BPE of the asked size, trained on these very documents, then used to encode them.
+        tok = toklib.train_bpe((t for path in inputs for t in _documents(path, *read)), bpe_size)
+    else:
+        tok = toklib.from_file(tokenizer)
+    atomic_write_text(out / "tokenizer.json", tok.to_json())
+    return tok, "tokenizer.json"
+
+
+def _write_shards(inputs, out: Path, tok, dtype, state: dict, read: tuple, shard_tokens, max_tokens, progress) -> None:
+    """Tokenize the documents not yet in a finished shard into further shards, recording each in the state file."""
+    from tqdm.auto import tqdm
+
     shards: list[dict] = state["shards"]
     consumed: list[int] = state["consumed"]
     pending: list[np.ndarray] = []
@@ -324,7 +292,7 @@ def prepare(
         for i, path in enumerate(inputs):
             if full:
                 break
-            docs = _documents(path, text_field, split, config)
+            docs = _documents(path, *read)
             for _ in range(consumed[i]):  # what finished shards already hold
                 if next(docs, None) is None:
                     break
@@ -345,6 +313,60 @@ def prepare(
                 if full:
                     break
     flush()
+
+
+def prepare(
+    inputs: list[str],
+    out: str | os.PathLike,
+    *,
+    tokenizer: str = "gpt2",
+    text_field: str = "text",
+    split: str = "train",
+    config: str | None = None,
+    max_tokens: int | None = None,
+    shard_tokens: int = 50_000_000,
+    resume: bool = True,
+    progress: bool = True,
+    preset: str | None = None,
+) -> Path:
+    """Tokenize documents into a shard folder (flat token files and ``index.json``); returns the folder.
+
+    ``tokenizer`` is ``gpt2``, the path of a ``tokenizer.json``, or ``bpe:N`` for a byte-level BPE of N tokens
+    trained on the inputs. With ``preset``, a tokenizer larger than the preset's vocabulary is refused first.
+    ``max_tokens`` stops at the end of the document that reaches it. Every finished shard is recorded in
+    ``prepare_state.json`` with how many documents of each input it consumed, so an interrupted preparation
+    run again with the same arguments continues after its last shard instead of starting over.
+    """
+    read = (text_field, split, config)
+    inputs = _checked_inputs(inputs, shard_tokens, max_tokens)
+    bpe_size = _bpe_size(tokenizer)
+    if preset is not None:
+        _check_fits_preset(tokenizer, bpe_size, preset)
+    out = writable_dir(out, "shard folder")
+    remove_stale_temps(out)
+    tok, tok_ref = _shard_tokenizer(tokenizer, bpe_size, inputs, out, read)
+    dtype = token_dtype(tok.vocab_size)
+    settings = {
+        "inputs": [str(i) for i in inputs],
+        "tokenizer": tok_ref,
+        "tokenizer_fingerprint": tok.fingerprint(),
+        "text_field": text_field,
+        "split": split,
+        "config": config,
+        "shard_tokens": shard_tokens,
+        "max_tokens": max_tokens,
+    }
+    state = read_json(out / STATE_FILE) if resume else None
+    if state is not None and state.get("settings") != settings:
+        raise UsageError(
+            f"{out} holds an unfinished preparation of other inputs or settings; give another --out, "
+            f"or start over with --no-resume."
+        )
+    if state is not None and state.get("done") and (out / "index.json").exists():
+        return out
+    state = state or {"settings": settings, "shards": [], "consumed": [0] * len(inputs), "done": False}
+    _write_shards(inputs, out, tok, dtype, state, read, shard_tokens, max_tokens, progress)
+    shards = state["shards"]
     if not shards:
         raise UsageError("The inputs hold no documents, so there is nothing to prepare.")
     index = {

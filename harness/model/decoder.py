@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.config import ModelConfig
-from variants.ops.layers import RMSNorm  # noqa: F401  (shared with the mixers; importable from here as before)
+from variants.ops.layers import RMSNorm
 
 
 def preln_params(model: ModelConfig) -> int:

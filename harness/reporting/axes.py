@@ -14,16 +14,16 @@ from typing import Any
 from harness.reporting.archive import FolderSource, open_source
 
 # Config keys that never change what a run computes, so they never split runs into different settings.
-_IGNORED_KEYS = ("name", "variant", "train.seed", "data.cache_dir", "eval.batch_size", "train.logger")
-_IGNORED_PREFIXES = ("slurm.",)
+IGNORED_KEYS = ("name", "variant", "train.seed", "data.cache_dir", "eval.batch_size", "train.logger")
+IGNORED_PREFIXES = ("slurm.",)
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in d.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
+            out.update(flatten(value, name + "."))
         else:
             out[name] = json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
     return out
@@ -54,7 +54,7 @@ _RESERVED = {
 }
 
 
-def _axis_columns(keys: list[str]) -> dict[str, str]:
+def axis_column_names(keys: list[str]) -> dict[str, str]:
     """Column name per differing config key: its last part (``lr``), or the whole key where that is ambiguous."""
     short = [k.rsplit(".", 1)[-1] for k in keys]
     out = {}

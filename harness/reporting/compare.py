@@ -22,12 +22,12 @@ import numpy as np
 import pandas as pd
 
 from harness.errors import UsageError
-from harness.registry import format_value
-from harness.reporting.axes import _axis_columns
+from harness.reporting.axes import axis_column_names
 from harness.reporting.render import fmt_delta, fmt_p
 from harness.reporting.results import Run, Sweep, load_sweep
 from harness.reporting.stats import compare, holm
 from harness.reporting.tables.comparisons import choose_metric
+from variants.registry import format_value
 
 VAL_LOSS, DOWNSTREAM = "val_loss", "downstream"
 BOTH, ONLY_A, ONLY_B = "both", "A only", "B only"
@@ -63,7 +63,7 @@ def compare_sweeps(a: str | Path | Sweep, b: str | Path | Sweep) -> pd.DataFrame
     """
     sweeps = [s if isinstance(s, Sweep) else load_sweep(s) for s in (a, b)]
     keys = sorted(set(sweeps[0].axis_keys.values()) | set(sweeps[1].axis_keys.values()))
-    columns = _axis_columns(keys)
+    columns = axis_column_names(keys)
     loss = _table(VAL_LOSS, "", [_cells(s, keys, _final_loss) for s in sweeps])
     if not (loss["in"] == BOTH).any():
         names = " and ".join(repr(str(s.root)) for s in sweeps)

@@ -31,7 +31,8 @@ import pandas as pd
 from scipy import stats
 
 from harness.config import ModelConfig
-from harness.reporting.results import Run, Sweep, _flatten, split_variant
+from harness.reporting.axes import flatten
+from harness.reporting.results import Run, Sweep, split_variant
 
 BOOTSTRAP = 2000
 MIN_SIZES = 3
@@ -104,7 +105,7 @@ def training_flops(run: Run) -> float | None:
 
 def _budget_key(run: Run) -> str:
 
-    flat = {k: v for k, v in _flatten(run.config).items() if k not in _FREE_KEYS and not k.startswith(_FREE_PREFIXES)}
+    flat = {k: v for k, v in flatten(run.config).items() if k not in _FREE_KEYS and not k.startswith(_FREE_PREFIXES)}
     return json.dumps(flat, sort_keys=True, default=str)
 
 
@@ -190,58 +191,18 @@ def _geomean(values) -> float:
     return float(math.exp(np.mean(np.log(values)))) if values else math.nan
 
 
-def analyse(
-    points: pd.DataFrame, baseline: str, *, budget_text: str = "", resamples: int = BOOTSTRAP, seed: int = 0
-) -> Frontier:
-    """Fits, multipliers and bootstrap intervals for the frontier ``points`` (one row per run)."""
-    empty = pd.DataFrame()
-    if points.empty:
-        return Frontier(
-            points,
-            empty,
-            empty,
-            baseline,
-            budget_text,
-            "no finished run trained at a tokens-per-parameter budget (train.max_steps 0) with params and "
-            "tokens in its summary.json",
-        )
-    cells = _cells(points)
+def _fits(cells: pd.DataFrame) -> pd.DataFrame:
+    """The power law of loss in compute of each variant with at least two sizes."""
     fits = []
     for variant, sub in cells.groupby("variant", sort=False):
         if sub["size"].nunique() >= 2:
             a, b = fit_power_law(sub["flops"], sub["loss"])
             fits.append({"variant": variant, "a": a, "b": b, "sizes": int(sub["size"].nunique())})
-    fits = pd.DataFrame(fits, columns=["variant", "a", "b", "sizes"])
-    n_ref = cells.loc[cells["variant"] == baseline, "size"].nunique()
-    if n_ref < MIN_SIZES:
-        return Frontier(
-            points,
-            fits,
-            empty,
-            baseline,
-            budget_text,
-            f"{baseline} has {n_ref} model size(s) on the frontier; the compute multiplier needs at least {MIN_SIZES}",
-        )
-    point = _multipliers(cells, baseline)
-    if point is None:
-        return Frontier(
-            points,
-            fits,
-            empty,
-            baseline,
-            budget_text,
-            f"{baseline}'s fitted loss does not fall with compute, so it cannot be inverted",
-        )
-    keys = list(zip(cells["variant"], cells["size"]))
-    draws = _bootstrap(points, cells, keys, baseline, resamples, seed)  # (resamples, cells), NaN rows dropped
-    ref_seeds = int(cells.loc[cells["variant"] == baseline, "seeds"].min())
+    return pd.DataFrame(fits, columns=["variant", "a", "b", "sizes"])
 
-    def interval(idx: list[int]) -> tuple[float, float, str]:
-        if min(ref_seeds, int(cells["seeds"].iloc[idx].min())) >= MIN_BOOTSTRAP_SEEDS:
-            values = draws[:, idx[0]] if len(idx) == 1 else np.exp(np.log(draws[:, idx]).mean(axis=1))
-            return (*_interval(values), "bootstrap")
-        return fit_interval(cells, idx, baseline)
 
+def _multiplier_rows(cells: pd.DataFrame, keys: list, point: dict, baseline: str, interval) -> list[dict]:
+    """One row per variant and size with its compute multiplier, and their geometric mean per variant."""
     rows = []
     for variant in [v for v in dict.fromkeys(cells["variant"]) if v != baseline]:
         idx = [i for i, k in enumerate(keys) if k[0] == variant]
@@ -279,6 +240,57 @@ def analyse(
                 "interval": how,
             }
         )
+    return rows
+
+
+def analyse(
+    points: pd.DataFrame, baseline: str, *, budget_text: str = "", resamples: int = BOOTSTRAP, seed: int = 0
+) -> Frontier:
+    """Fits, multipliers and bootstrap intervals for the frontier ``points`` (one row per run)."""
+    empty = pd.DataFrame()
+    if points.empty:
+        return Frontier(
+            points,
+            empty,
+            empty,
+            baseline,
+            budget_text,
+            "no finished run trained at a tokens-per-parameter budget (train.max_steps 0) with params and "
+            "tokens in its summary.json",
+        )
+    cells = _cells(points)
+    fits = _fits(cells)
+    n_ref = cells.loc[cells["variant"] == baseline, "size"].nunique()
+    if n_ref < MIN_SIZES:
+        return Frontier(
+            points,
+            fits,
+            empty,
+            baseline,
+            budget_text,
+            f"{baseline} has {n_ref} model size(s) on the frontier; the compute multiplier needs at least {MIN_SIZES}",
+        )
+    point = _multipliers(cells, baseline)
+    if point is None:
+        return Frontier(
+            points,
+            fits,
+            empty,
+            baseline,
+            budget_text,
+            f"{baseline}'s fitted loss does not fall with compute, so it cannot be inverted",
+        )
+    keys = list(zip(cells["variant"], cells["size"]))
+    draws = _bootstrap(points, cells, keys, baseline, resamples, seed)  # (resamples, cells), NaN rows dropped
+    ref_seeds = int(cells.loc[cells["variant"] == baseline, "seeds"].min())
+
+    def interval(idx: list[int]) -> tuple[float, float, str]:
+        if min(ref_seeds, int(cells["seeds"].iloc[idx].min())) >= MIN_BOOTSTRAP_SEEDS:
+            values = draws[:, idx[0]] if len(idx) == 1 else np.exp(np.log(draws[:, idx]).mean(axis=1))
+            return (*_interval(values), "bootstrap")
+        return fit_interval(cells, idx, baseline)
+
+    rows = _multiplier_rows(cells, keys, point, baseline, interval)
     multipliers = pd.DataFrame(
         rows,
         columns=["variant", "setting", "params", "seeds", "flops", "loss", "multiplier", "low", "high", "interval"],

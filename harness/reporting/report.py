@@ -18,7 +18,6 @@ from typing import Any
 
 import pandas as pd
 
-from harness.config import read_yaml
 from harness.errors import UsageError, did_you_mean
 from harness.io import atomic_write_text, remove_stale_temps, writable_dir
 from harness.reporting import figures as figs
@@ -29,6 +28,7 @@ from harness.reporting import tuning as tuning_report
 from harness.reporting.archive import ARCHIVE_SUFFIXES, archive_stem, is_archive
 from harness.reporting.claims import parse_claims
 from harness.reporting.results import Sweep, aggregate, load_sweep, runs_frame, save_frame
+from harness.yamltext import read_yaml
 
 TABLES = report_items.names("table")
 FIGURES = report_items.names("figure")
@@ -276,6 +276,48 @@ def redraw_figure(
     return figs.save_figure(fig, figure_dir, name)
 
 
+def _table_sections(ctx, spec: ReportSpec, table_dir: Path, out_dir: Path, skipped: list[str]) -> list[str]:
+    """REPORT.md's sections of the tables the spec asks for; what could not be made is added to ``skipped``."""
+    lines: list[str] = []
+    for item in report_items.items("table"):
+        if not (item.always or item.name in spec.tables):
+            continue
+        try:
+            table = ctx.table(item.name)
+        except report_items.NoData as reason:
+            if not item.always:
+                skipped.append(f"- table `{item.name}`: {reason}.")
+            continue
+        if table.data.empty:
+            skipped.append(f"- table `{item.name}`: it has no rows.")
+            continue
+        lines += _table_section(table, table_dir, out_dir)
+    return lines
+
+
+def _figure_sections(ctx, spec: ReportSpec, figure_dir: Path, out_dir: Path, skipped: list[str]) -> list[str]:
+    """REPORT.md's lines of the figures the spec asks for; what could not be made is added to ``skipped``."""
+    figure_lines: list[str] = []
+    for item in report_items.items("figure"):
+        if item.name not in spec.figures:
+            continue
+        try:
+            fig, caption = item.fn(ctx)
+        except report_items.NoData as reason:
+            skipped.append(f"- figure `{item.name}`: {reason}.")
+            continue
+        png, pdf = (p.relative_to(out_dir).as_posix() for p in figs.save_figure(fig, figure_dir, item.name))
+        figure_lines += [
+            f"### {item.name.replace('_', ' ').capitalize()}",
+            "",
+            f"![{item.name}]({png})",
+            "",
+            f"{caption} PDF: [{pdf}]({pdf})",
+            "",
+        ]
+    return figure_lines
+
+
 def report(
     sweep_dir: str | Path,
     *,
@@ -317,38 +359,8 @@ def report(
     ctx = _context(sweep, spec, bench_frame)
     lines += claims_section(ctx)
     skipped: list[str] = []
-    for item in report_items.items("table"):
-        if not (item.always or item.name in spec.tables):
-            continue
-        try:
-            table = ctx.table(item.name)
-        except report_items.NoData as reason:
-            if not item.always:
-                skipped.append(f"- table `{item.name}`: {reason}.")
-            continue
-        if table.data.empty:
-            skipped.append(f"- table `{item.name}`: it has no rows.")
-            continue
-        lines += _table_section(table, table_dir, out_dir)
-
-    figure_lines: list[str] = []
-    for item in report_items.items("figure"):
-        if item.name not in spec.figures:
-            continue
-        try:
-            fig, caption = item.fn(ctx)
-        except report_items.NoData as reason:
-            skipped.append(f"- figure `{item.name}`: {reason}.")
-            continue
-        png, pdf = (p.relative_to(out_dir).as_posix() for p in figs.save_figure(fig, figure_dir, item.name))
-        figure_lines += [
-            f"### {item.name.replace('_', ' ').capitalize()}",
-            "",
-            f"![{item.name}]({png})",
-            "",
-            f"{caption} PDF: [{pdf}]({pdf})",
-            "",
-        ]
+    lines += _table_sections(ctx, spec, table_dir, out_dir, skipped)
+    figure_lines = _figure_sections(ctx, spec, figure_dir, out_dir, skipped)
     if figure_lines:
         lines += ["## Figures", "", *figure_lines]
     if skipped:

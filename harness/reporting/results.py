@@ -22,9 +22,9 @@ import pandas as pd
 from harness.config import PRESETS
 from harness.errors import UsageError
 from harness.io import atomic_write_bytes
-from harness.registry import format_value, parse_spec
-from harness.reporting.archive import FolderSource, find_run_dirs, is_archive, open_source  # noqa: F401
-from harness.reporting.axes import _IGNORED_KEYS, _IGNORED_PREFIXES, _axis_columns, _flatten, tuned_keys  # noqa: F401
+from harness.reporting.archive import FolderSource, is_archive, open_source
+from harness.reporting.axes import IGNORED_KEYS, IGNORED_PREFIXES, axis_column_names, flatten, tuned_keys
+from variants.registry import format_value, parse_spec
 
 FINISHED = "done"
 METRIC_COLUMNS = ("train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s")
@@ -200,9 +200,7 @@ def _settings(runs: list[Run], tuned: set[str] = frozenset()) -> dict[str, str]:
     flat = []
     for run in runs:
         f = {
-            k: v
-            for k, v in _flatten(run.config).items()
-            if k not in _IGNORED_KEYS and not k.startswith(_IGNORED_PREFIXES)
+            k: v for k, v in flatten(run.config).items() if k not in IGNORED_KEYS and not k.startswith(IGNORED_PREFIXES)
         }
         flat.append(f)
     keys = sorted({k for f in flat for k in f})
@@ -217,7 +215,7 @@ def _settings(runs: list[Run], tuned: set[str] = frozenset()) -> dict[str, str]:
             label = k[6:] if k.startswith("model.") else k
             parts.append(f"{label}={format_value(f.get(k))}")
         run.setting = ", ".join(parts)
-    columns = _axis_columns(differing)
+    columns = axis_column_names(differing)
     for run in runs:
         run.axes = {name: run.config_value(key) for name, key in columns.items()}
     return columns

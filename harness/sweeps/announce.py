@@ -9,7 +9,7 @@ from harness.sweeps.planning import Plan
 from harness.training.budget import tokens_per_step, train_steps
 
 
-def _write_tuning(p: Plan, log) -> None:
+def write_tuning(p: Plan, log) -> None:
     """Write tuning.json and say which cells still wait for their tuning runs, and why."""
     from harness.sweeps import tuning
 
@@ -28,7 +28,7 @@ def _write_tuning(p: Plan, log) -> None:
         )
 
 
-def _backfill(p: Plan, log) -> None:
+def backfill_trackers(p: Plan, log) -> None:
     """Send finished runs' metrics to a logger switched on after they trained, from their metrics.csv."""
     if not p.backfill:
         return
@@ -46,7 +46,7 @@ def _backfill(p: Plan, log) -> None:
     )
 
 
-def _announce(p: Plan, log) -> None:
+def announce_plan(p: Plan, log) -> None:
     groups: dict[str, list[str]] = {}
     for rid, decision in p.decisions.items():
         groups.setdefault(decision, []).append(rid)

@@ -46,7 +46,7 @@ def _own_process_groups():
         local.subprocess = real
 
 
-def _executor(kind: str, folder: Path, prof: Profile, parallelism: int, name: str):
+def make_executor(kind: str, folder: Path, prof: Profile, parallelism: int, name: str):
     import submitit
 
     params: dict[str, Any] = dict(
@@ -121,7 +121,7 @@ def _profile_for(base: Profile, r: GridRun) -> Profile:
     )
 
 
-def _read_record(p: Plan) -> dict[str, Any]:
+def read_record(p: Plan) -> dict[str, Any]:
     record = read_sweep_record(p.sweep_dir)
     old = {r["run_id"]: r for r in record.get("runs", [])}
     runs, todo = [], {r.run_id for r in p.to_submit()}
@@ -144,7 +144,7 @@ def _read_record(p: Plan) -> dict[str, Any]:
     return record
 
 
-def _save_record(p: Plan, record: dict[str, Any], jobs: dict[str, Any]) -> None:
+def save_record(p: Plan, record: dict[str, Any], jobs: dict[str, Any]) -> None:
     """Write sweep.json with the runs' latest job ids and this submission's entry in ``submissions``."""
     if jobs:
         current = record.setdefault(
@@ -179,14 +179,16 @@ def _refusal(e: BaseException) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
-def _submit_arrays(p: Plan, todo: list[GridRun], record: dict[str, Any], log) -> dict[str, Any]:
+def submit_arrays(p: Plan, todo: list[GridRun], record: dict[str, Any], log) -> dict[str, Any]:
     """One job array per distinct resource request, each with the sweep's parallelism limit."""
     jobs: dict[str, Any] = {}
     groups: dict[tuple, list[GridRun]] = {}
     for r in todo:
         groups.setdefault(_resource_key(r), []).append(r)
     for runs in groups.values():
-        ex = _executor(p.executor, p.sweep_dir / "jobs", _profile_for(p.profile, runs[0]), p.parallelism, p.grid.name)
+        ex = make_executor(
+            p.executor, p.sweep_dir / "jobs", _profile_for(p.profile, runs[0]), p.parallelism, p.grid.name
+        )
         # batch() packs the submissions into one array while each task keeps its own checkpointable callable
         # (map_array would share one function, and requeueing needs the callable's checkpoint method).
         try:
@@ -196,7 +198,7 @@ def _submit_arrays(p: Plan, todo: list[GridRun], record: dict[str, Any], log) ->
             reason = f"the scheduler refused the job: {_refusal(e)}"
             for r in runs:
                 write_status(p.sweep_dir / r.run_id, "failed", message=reason)
-            _save_record(p, record, jobs)
+            save_record(p, record, jobs)
             raise DepthmemError(
                 f"Submitting {len(runs)} run(s) of {p.grid.name} failed ({_refusal(e)}); they "
                 f"are marked failed: fix the profile and run `depthmem sweep {p.grid.source} "
@@ -210,7 +212,7 @@ def _submit_arrays(p: Plan, todo: list[GridRun], record: dict[str, Any], log) ->
                 f"submitted {len(submitted)} run(s) to {p.executor} as job(s) "
                 f"{_id_span([str(j.job_id) for j in submitted])}"
             )
-    _save_record(p, record, jobs)
+    save_record(p, record, jobs)
     return jobs
 
 
@@ -222,13 +224,13 @@ def _id_span(ids: list[str]) -> str:
     return ids[0] if len(ids) == 1 else f"{ids[0]} .. {ids[-1]}"
 
 
-def _run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, poll_s: float) -> dict[str, Any]:
+def run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, poll_s: float) -> dict[str, Any]:
     """Local runs, at most ``parallelism`` at a time: the local executor has no array throttle of its own.
 
     Ctrl-C stops the running ones (their whole process groups), marks them interrupted and leaves the ones not
     yet started pending; the same command resumes both.
     """
-    ex = _executor("local", p.sweep_dir / "jobs", p.profile, p.parallelism, p.grid.name)
+    ex = make_executor("local", p.sweep_dir / "jobs", p.profile, p.parallelism, p.grid.name)
     pending, running, jobs = list(todo), {}, {}
     try:
         while pending or running:
@@ -238,7 +240,7 @@ def _run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log,
                     job = ex.submit(RunJob(p.sweep_dir / r.run_id))
                 jobs[r.run_id] = running[r.run_id] = job
                 _note_job(p.sweep_dir / r.run_id, str(job.job_id))
-                _save_record(p, record, jobs)
+                save_record(p, record, jobs)
                 log(f"started {r.run_id} (local job {job.job_id})")
             time.sleep(poll_s if running else 0)
             touch_sweep_process(p.sweep_dir)
@@ -275,7 +277,7 @@ def _run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log,
     return jobs
 
 
-def _wait(p: Plan, jobs: dict[str, Any], poll_s: float) -> None:
+def wait_for_jobs(p: Plan, jobs: dict[str, Any], poll_s: float) -> None:
     while True:
         rows = {r["run_id"]: r for r in sweep_status(p.sweep_dir)}
         if not any(rows.get(rid, {}).get("job_active") for rid in jobs):

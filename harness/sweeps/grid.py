@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.config import ConfigBuilder, RunConfig, read_yaml
+from harness.config import ConfigBuilder, RunConfig
 from harness.errors import UsageError, did_you_mean
 from harness.rundir import run_id
 from harness.training import budget
+from harness.yamltext import read_yaml
 
 GRID_KEYS = (
     "name",
@@ -178,7 +179,7 @@ def parse_grid(data: dict[str, Any], *, source: str = "grid", default_name: str 
         for key, wanted in entry.items():
             # A value no run has would exclude nothing: most likely a misspelt name, so it is refused.
             for value in _alternatives(wanted, values[str(key)]):
-                if not any(_same(value, v) for v in values[str(key)]):
+                if not any(same_value(value, v) for v in values[str(key)]):
                     raise UsageError(
                         f"exclude in {source} gives {key}={value!r}, which is not one of its values; "
                         f"allowed: {', '.join(str(v) for v in values[str(key)])}."
@@ -298,7 +299,7 @@ def check_tune(grid: Grid) -> None:
         ran += [str(v) for g in grid.zips for v in g.get("variant", [])]
         ran = ran or [str(grid.base.get("variant", "preln"))]
         for v in grid.tune.variants:
-            if not any(_same(v, r) for r in ran):
+            if not any(same_value(v, r) for r in ran):
                 raise UsageError(
                     f"tune.variants in {grid.source} names {v!r}, which the grid does not run; "
                     f"allowed: {', '.join(ran) or 'the variants of the grid'}."
@@ -407,12 +408,13 @@ def _alternatives(wanted: Any, axis_values: list) -> list:
 
 def _matches(combo: dict[str, Any], partial: dict[str, Any], axis_values: dict[str, list] | None = None) -> bool:
     return all(
-        str(k) in combo and any(_same(combo[str(k)], x) for x in _alternatives(v, (axis_values or {}).get(str(k), [])))
+        str(k) in combo
+        and any(same_value(combo[str(k)], x) for x in _alternatives(v, (axis_values or {}).get(str(k), [])))
         for k, v in partial.items()
     )
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     if a == b:
         return True
     try:  # ``ldm-rls(groups=4)`` and ``ldm-rls(groups=4, lambda=learned)`` name one variant
@@ -431,7 +433,7 @@ def axis_keys(grid: Grid) -> list[str]:
     return keys
 
 
-def _describe(overrides: dict[str, Any]) -> str:
+def describe_overrides(overrides: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in overrides.items()) or "the base config"
 
 
@@ -445,7 +447,7 @@ def expand(grid: Grid, *, defaults: dict[str, Any] | None = None) -> list[GridRu
     runs: list[GridRun] = []
     seen: dict[str, dict[str, Any]] = {}
     for overrides in combinations(grid):
-        where = f"{grid.source} (run {_describe(overrides)})"
+        where = f"{grid.source} (run {describe_overrides(overrides)})"
         # Building the config parses its variant and checks it against the model's size.
         cfg = builder.build(nest(overrides), {"name": grid.name}, source=where)
         # One budget for every run of a model size: tokens per parameter of the baseline, not of each variant.
@@ -453,8 +455,8 @@ def expand(grid: Grid, *, defaults: dict[str, Any] | None = None) -> list[GridRu
         rid = run_id(cfg, overrides)
         if rid in seen:
             raise UsageError(
-                f"Two runs of {grid.source} collide as {rid!r}: {_describe(seen[rid])} and "
-                f"{_describe(overrides)} give the same config; drop one or vary another key."
+                f"Two runs of {grid.source} collide as {rid!r}: {describe_overrides(seen[rid])} and "
+                f"{describe_overrides(overrides)} give the same config; drop one or vary another key."
             )
         seen[rid] = overrides
         runs.append(GridRun(rid, cfg, dict(overrides)))

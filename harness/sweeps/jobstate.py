@@ -190,7 +190,7 @@ def sweep_process(sweep_dir: Path) -> dict[str, Any] | None:
     return {**record, "alive": alive}
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
@@ -226,7 +226,7 @@ def stop_local(job_ids: list[str], grace_s: float = STOP_GRACE_S, reap=None) -> 
         except ProcessLookupError:
             continue
     deadline = time.time() + grace_s
-    while time.time() < deadline and (any(_group_alive(g) for g in groups) or any(local_alive(j) for j in job_ids)):
+    while time.time() < deadline and (any(group_alive(g) for g in groups) or any(local_alive(j) for j in job_ids)):
         if reap is not None:
             reap()
         time.sleep(0.1)
@@ -263,6 +263,25 @@ def advice(state: str, grid: str, resume_step: int | None) -> str:
     return ""
 
 
+def _fill_job_state(row: dict, state: str, job_id: str | None, executor: str | None, info) -> str:
+    """Set the row's job state, whether the job is active, and its node; returns the scheduler's word on the job."""
+    if job_id and executor == "slurm":
+        job = (info if info is not None else slurm_info([job_id])).get(str(job_id))
+        if job is None:
+            row["job_state"] = "UNKNOWN"
+            row["job_active"] = state in ("pending", "running")  # not yet in accounting: just submitted
+        else:
+            row["job_state"], row["job_active"] = job["state"], job["state"] not in TERMINAL
+            if job.get("node") and job["node"] != "None assigned":
+                row["node"] = row["node"] or job["node"]
+        return job["detail"] if job else "UNKNOWN"
+    if job_id:
+        row["job_active"] = local_alive(job_id)
+        row["job_state"] = "RUNNING" if row["job_active"] else "ENDED"
+        return "the local process ended"
+    return ""
+
+
 def reconcile(
     sweep_dir: Path,
     rid: str,
@@ -295,22 +314,7 @@ def reconcile(
         "job_state": None,
     }
     cancelled = status.get("cancelled")
-    if job_id and executor == "slurm":
-        job = (info if info is not None else slurm_info([job_id])).get(str(job_id))
-        if job is None:
-            row["job_state"] = "UNKNOWN"
-            row["job_active"] = state in ("pending", "running")  # not yet in accounting: just submitted
-        else:
-            row["job_state"], row["job_active"] = job["state"], job["state"] not in TERMINAL
-            if job.get("node") and job["node"] != "None assigned":
-                row["node"] = row["node"] or job["node"]
-        detail = job["detail"] if job else "UNKNOWN"
-    elif job_id:
-        row["job_active"] = local_alive(job_id)
-        row["job_state"] = "RUNNING" if row["job_active"] else "ENDED"
-        detail = "the local process ended"
-    else:
-        detail = ""
+    detail = _fill_job_state(row, state, job_id, executor, info)
     if row["job_active"]:
         started_before = bool(status.get("attempts")) or state not in ("pending",)
         if executor == "slurm" and row["job_state"] in REQUEUE_STATES and started_before and state != "done":

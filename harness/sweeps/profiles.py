@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.config import SlurmConfig, read_yaml
+from harness.config import SlurmConfig
 from harness.errors import UsageError, did_you_mean
+from harness.yamltext import read_yaml
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROFILE_DIR = PROJECT_ROOT / "slurm" / "profiles"

@@ -23,20 +23,10 @@ from typing import Any
 from harness.errors import DepthmemError, UsageError
 from harness.io import remove_stale_temps, writable_dir
 from harness.rundir import now_iso, read_status, write_config, write_status
-from harness.sweeps.announce import _announce, _backfill, _write_tuning, describe_plan
-
-# Planning and execution live in their own modules; their names that callers import from here stay importable.
-from harness.sweeps.execute import (
-    SweepInterrupted,
-    _executor,  # noqa: F401
-    _read_record,
-    _run_local_window,
-    _save_record,
-    _submit_arrays,
-    _wait,
-)
-from harness.sweeps.jobstate import default_root, forget_sweep_process, record_sweep_process, sweep_status
-from harness.sweeps.planning import Plan, apply_overrides, check_executor, plan  # noqa: F401
+from harness.sweeps.announce import announce_plan, backfill_trackers, write_tuning
+from harness.sweeps.execute import read_record, run_local_window, save_record, submit_arrays, wait_for_jobs
+from harness.sweeps.jobstate import forget_sweep_process, record_sweep_process, sweep_status
+from harness.sweeps.planning import Plan, check_executor, plan
 
 LOCAL_RUNS_WITHOUT_ASKING = 4
 """Most runs of a cluster grid (a profile with ``executor: slurm``) that run on this machine without ``--yes``."""
@@ -53,6 +43,22 @@ class Submission:
     plan: Plan
     jobs: dict[str, Any] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _take_lock(p: Plan):
+    """The sweep's lock, held; another submission of the same sweep holding it is refused at once."""
+    import filelock
+
+    lock = filelock.FileLock(str(p.sweep_dir / ".sweep.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        raise SweepLocked(
+            f"The sweep {p.grid.name!r} is locked by another submission "
+            f"({p.sweep_dir / '.sweep.lock'}); wait for it to finish or check "
+            f"`depthmem status {p.grid.name}`."
+        ) from None
+    return lock
 
 
 def sweep(
@@ -74,8 +80,6 @@ def sweep(
     A cluster grid (its profile says ``executor: slurm``) run here with more than a handful of runs needs
     ``yes=True``: the machine would train them all.
     """
-    import filelock
-
     p = plan(
         grid_file,
         executor=executor,
@@ -97,15 +101,7 @@ def sweep(
     wait = (p.executor == "local") if wait is None else wait
     writable_dir(p.sweep_dir, "sweep folder")
     remove_stale_temps(p.sweep_dir)
-    lock = filelock.FileLock(str(p.sweep_dir / ".sweep.lock"))
-    try:
-        lock.acquire(timeout=0)
-    except filelock.Timeout:
-        raise SweepLocked(
-            f"The sweep {p.grid.name!r} is locked by another submission "
-            f"({p.sweep_dir / '.sweep.lock'}); wait for it to finish or check "
-            f"`depthmem status {p.grid.name}`."
-        ) from None
+    lock = _take_lock(p)
     try:
         # The lock is held, so the decisions are made again now that no other submission can change them.
         replan = functools.partial(
@@ -128,7 +124,7 @@ def sweep(
             jobs.update(tuned)
             if tuned and wait:
                 p = replan()  # the tuning runs have ended: their cells' values can be chosen now
-            _write_tuning(p, log)
+            write_tuning(p, log)
         sub = Submission(p)
         jobs.update(_run_stage(p, log, wait, poll_s))
         sub.jobs = jobs
@@ -142,8 +138,8 @@ def sweep(
 def _run_stage(p: Plan, log, wait: bool, poll_s: float) -> dict[str, Any]:
     """Submit one stage's unfinished runs (and with ``wait``, wait for them); returns their jobs by run id."""
     writable_dir(p.sweep_dir, "sweep folder")
-    _announce(p, log)
-    _backfill(p, log)
+    announce_plan(p, log)
+    backfill_trackers(p, log)
     todo = p.to_submit()
     for r in todo:
         run_dir = p.sweep_dir / r.run_id
@@ -160,24 +156,14 @@ def _run_stage(p: Plan, log, wait: bool, poll_s: float) -> dict[str, Any]:
                 submitted=now_iso(),
                 cancelled=None,
             )
-    record = _read_record(p)
-    _save_record(p, record, {})
+    record = read_record(p)
+    save_record(p, record, {})
     if p.executor == "local" and wait:
-        return _run_local_window(p, todo, record, log, poll_s)
-    jobs = _submit_arrays(p, todo, record, log)
+        return run_local_window(p, todo, record, log, poll_s)
+    jobs = submit_arrays(p, todo, record, log)
     if wait:
-        _wait(p, jobs, poll_s)
+        wait_for_jobs(p, jobs, poll_s)
     return jobs
 
 
-__all__ = [
-    "Plan",
-    "Submission",
-    "SweepLocked",
-    "SweepInterrupted",
-    "plan",
-    "sweep",
-    "check_executor",
-    "describe_plan",
-    "default_root",
-]
+__all__ = ["Submission", "SweepLocked", "sweep"]

@@ -27,7 +27,7 @@ from typing import Any
 
 from harness.io import atomic_write_json
 from harness.rundir import now_iso, read_status, read_summary, run_id
-from harness.sweeps.grid import Grid, GridRun, _describe, _same, expand
+from harness.sweeps.grid import Grid, GridRun, describe_overrides, expand, same_value
 
 TUNE_DIR = "tune"
 TUNING_FILE = "tuning.json"
@@ -62,9 +62,9 @@ def cells(grid: Grid, runs: list[GridRun]) -> list[Cell]:
     out: dict[str, Cell] = {}
     for r in runs:
         overrides = _cell_overrides(r, grid.tune.axis)
-        label = _describe(overrides)
+        label = describe_overrides(overrides)
         if label not in out:
-            tuned = grid.tune.variants is None or any(_same(v, r.cfg.variant) for v in grid.tune.variants)
+            tuned = grid.tune.variants is None or any(same_value(v, r.cfg.variant) for v in grid.tune.variants)
             out[label] = Cell(label, overrides, r.cfg.variant, [], tuned, label if tuned else None)
         out[label].runs.append(r)
     for cell in out.values():
@@ -74,7 +74,7 @@ def cells(grid: Grid, runs: list[GridRun]) -> list[Cell]:
         for other in out.values():
             if (
                 other.tuned
-                and _same(other.variant, _family(cell.variant))
+                and same_value(other.variant, _family(cell.variant))
                 and {k: v for k, v in other.overrides.items() if k != "variant"} == rest
             ):
                 cell.source = other.label

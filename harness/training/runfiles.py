@@ -26,14 +26,14 @@ from harness.io import (
 from harness.measure import AllocatorPeak, CoreLoad, live_training_bytes
 from harness.model.diagnostics import layer_stats, traced_forward
 from harness.training.budget import seq_len_of
-from harness.units import duration  # noqa: F401  (progress lines, and importable from here as before)
+from harness.units import duration
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
 LAYERS_COLUMNS = ["step", "layer", "kind", "input_rms", "output_rms", "grad_norm"]
 DEPTH_STATS = "depth_stats.jsonl"
 
 
-def _csv_text(columns: list[str], rows: list[dict], header: bool = True) -> str:
+def csv_text(columns: list[str], rows: list[dict], header: bool = True) -> str:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     if header:
@@ -43,7 +43,7 @@ def _csv_text(columns: list[str], rows: list[dict], header: bool = True) -> str:
     return buf.getvalue()
 
 
-def _read_rows(path: Path, up_to_step: int) -> list[dict]:
+def read_metric_rows(path: Path, up_to_step: int) -> list[dict]:
     """Rows of an earlier segment of this run, up to the step it is resumed from."""
     return rundir.read_metric_rows(path, up_to_step)
 
@@ -63,10 +63,10 @@ class CsvLog:
     def add(self, rows: list[dict]) -> None:
         self.rows.extend(rows)
         if self._fresh:
-            atomic_write_text(self.path, _csv_text(self.columns, self.rows))
+            atomic_write_text(self.path, csv_text(self.columns, self.rows))
             self._fresh = False
         else:
-            append_bytes(self.path, _csv_text(self.columns, rows, header=False).encode("utf-8"))
+            append_bytes(self.path, csv_text(self.columns, rows, header=False).encode("utf-8"))
 
     def sync(self) -> None:
         """Make the rows appended so far durable (before a checkpoint that vouches for them)."""
@@ -119,10 +119,10 @@ class RunFiles(pl.Callback):
     def __init__(self, cfg: RunConfig, run_dir: Path, ckpt_path: Path, resume_step: int, plain_logs: bool):
         self.cfg, self.run_dir, self.ckpt_path, self.plain_logs = cfg, run_dir, ckpt_path, plain_logs
         self.metrics_log = CsvLog(
-            run_dir / "metrics.csv", METRICS_COLUMNS, _read_rows(run_dir / "metrics.csv", resume_step)
+            run_dir / "metrics.csv", METRICS_COLUMNS, read_metric_rows(run_dir / "metrics.csv", resume_step)
         )
         self.layers_log = CsvLog(
-            run_dir / "layers.csv", LAYERS_COLUMNS, _read_rows(run_dir / "layers.csv", resume_step)
+            run_dir / "layers.csv", LAYERS_COLUMNS, read_metric_rows(run_dir / "layers.csv", resume_step)
         )
         self.metrics = self.metrics_log.rows
         # What the mixer learned (its forgetting factors, importance weights), one record per validation.

@@ -257,23 +257,8 @@ def _check_resumable(ckpt_path: Path, cfg: RunConfig, model: nn.Module) -> int:
     return int(ckpt.get("global_step", 0))
 
 
-def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) -> Path:
-    """Train ``cfg`` into ``run_dir`` (resuming its last checkpoint unless ``resume=False``); returns run_dir."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-    from lightning.pytorch import seed_everything
-
-    run_dir = Path(run_dir)
-    rank0 = rank_zero_only.rank == 0
-    _check_run_dir(run_dir)
-    ckpt_path = run_dir / "ckpt" / "last.ckpt"
-    earlier = rundir.read_config(run_dir) if (run_dir / "config.json").exists() else None
-    if earlier is not None and rundir.config_hash(earlier, with_seed=True) != rundir.config_hash(cfg, with_seed=True):
-        raise UsageError(f"{run_dir} holds a run with a different config; give this run another --out directory.")
-    status = rundir.read_status(run_dir)
-    if resume and status.get("state") == "done" and (run_dir / "summary.json").exists():
-        if rank0:
-            print(f"depthmem: {run_dir} is already done (step {status.get('step')}); nothing to train.", flush=True)
-        return run_dir
+def _check_shapes(cfg: RunConfig) -> int:
+    """The run's sequence length, once the batch splits over the processes and the sequence fits the model."""
     world = cfg.train.devices * cfg.train.num_nodes
     if cfg.train.batch_size % world:
         raise UsageError(
@@ -283,122 +268,120 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     seq_len = seq_len_of(cfg)
     if seq_len > cfg.model.max_seq_len:
         raise UsageError(f"train.seq_len ({seq_len}) must not exceed model.max_seq_len ({cfg.model.max_seq_len}).")
+    return seq_len
 
-    tok = datalib.get_tokenizer(cfg)
-    tokens = datalib.load_tokens(cfg, tok)
-    datalib.check_sizes(tokens, seq_len, need_val=cfg.train.val_batches > 0)
-    val = datalib.val_windows(tokens.val, count=max(1, cfg.train.val_batches * cfg.train.batch_size), seq_len=seq_len)
-    byte_lengths = torch.tensor(tok.token_byte_lengths() + [0] * (cfg.model.vocab_size - tok.vocab_size))
 
-    seed_everything(cfg.train.seed, workers=True, verbose=False)
-    for noise in (".*does not have many workers.*", ".*The `srun` command is available.*", ".*LeafSpec.*"):
-        warnings.filterwarnings("ignore", noise)  # advice that does not apply to these runs
-    model = build_model(cfg.model, cfg.variant)
-    total = total_steps(cfg)
+def _already_done(cfg: RunConfig, run_dir: Path, status: dict, resume: bool, rank0: bool) -> bool:
+    """Whether ``run_dir`` holds this very run, finished; refuses a folder that holds another run."""
+    earlier = rundir.read_config(run_dir) if (run_dir / "config.json").exists() else None
+    if earlier is not None and rundir.config_hash(earlier, with_seed=True) != rundir.config_hash(cfg, with_seed=True):
+        raise UsageError(f"{run_dir} holds a run with a different config; give this run another --out directory.")
+    if resume and status.get("state") == "done" and (run_dir / "summary.json").exists():
+        if rank0:
+            print(f"depthmem: {run_dir} is already done (step {status.get('step')}); nothing to train.", flush=True)
+        return True
+    return False
+
+
+def _resume_point(cfg: RunConfig, ckpt_path: Path, model: nn.Module, resume: bool, rank0: bool):
+    """The checkpoint to resume from (None to start over) and its step."""
     resume_from = None
     if resume and ckpt_path.exists():
         resume_from = usable_checkpoint(ckpt_path, then="start the run over with --no-resume")
-    resume_step = 0
-    if resume_from is not None:
-        resume_step = _check_resumable(resume_from, cfg, model)
-        if resume_from != ckpt_path and rank0:
-            # Set the damaged bytes aside, so that the next save keeps the good checkpoint as the previous one.
-            os.replace(ckpt_path, ckpt_path.with_name(ckpt_path.name + ".damaged"))
-    if rank0:
-        remove_stale_temps(run_dir, run_dir / "ckpt")  # what a killed write of this run left behind
-        # Weights and both AdamW moments in float32: the checkpoint's size, to the first digit.
-        check_checkpoint_room(ckpt_path, 12 * sum(p.numel() for p in model.parameters()))
-        rundir.write_config(run_dir, cfg)
-        rundir.write_env(run_dir)
-        toklib.save_to_run(tok, run_dir)
-        if resume_from is None:
-            for name in ("metrics.csv", "layers.csv", "summary.json", "mixing.json", DEPTH_STATS):
-                (run_dir / name).unlink(missing_ok=True)
-        what = f"resuming at step {resume_step}" if resume_from else "starting"
-        rundir.write_status(
-            run_dir, "running", step=resume_step, last_loss=status.get("last_loss"), message=f"{what}, {total} steps"
-        )
-    plain_logs = not sys.stderr.isatty()
-    if rank0:
-        print(
-            f"depthmem: {cfg.variant} {cfg.model.preset}, {model.num_params():,} parameters, {total} steps "
-            f"of {cfg.train.batch_size}x{seq_len} tokens = {total * cfg.train.batch_size * seq_len:,} tokens "
-            f"({what}); writing {run_dir}",
-            flush=True,
-        )
+    if resume_from is None:
+        return None, 0
+    resume_step = _check_resumable(resume_from, cfg, model)
+    if resume_from != ckpt_path and rank0:
+        # Set the damaged bytes aside, so that the next save keeps the good checkpoint as the previous one.
+        os.replace(ckpt_path, ckpt_path.with_name(ckpt_path.name + ".damaged"))
+    return resume_from, resume_step
 
-    module = LitDecoder(
-        cfg, model, total=total, val_windows=torch.from_numpy(val), byte_lengths=byte_lengths, tokenizer_spec=tok.spec()
-    )
-    files = RunFiles(cfg, run_dir, ckpt_path, resume_step, plain_logs)
-    costs = StepCosts(resume_step, total)
-    _quiet_lightning()
-    callbacks = [files, costs] if plain_logs else [files, costs, StepProgressBar(files)]
-    callbacks.append(SyncedStop())  # after RunFiles, whose step-end work (checkpoints, validation) comes first
-    trainer = _trainer(cfg, callbacks, run_dir, total, plain_logs)
-    dataset = StepBatches(
-        tokens.train, cfg, total, lambda: (trainer.global_step, trainer.global_rank, trainer.world_size)
-    )
-    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
-    start = time.time()
+
+def _start_run_dir(
+    cfg: RunConfig,
+    run_dir: Path,
+    ckpt_path: Path,
+    model,
+    tok,
+    step: int,
+    last_loss,
+    what: str,
+    total: int,
+    fresh: bool,
+) -> None:
+    """Write the run's config, environment and tokenizer, clear a fresh run's old files, and mark it running."""
+    remove_stale_temps(run_dir, run_dir / "ckpt")  # what a killed write of this run left behind
+    # Weights and both AdamW moments in float32: the checkpoint's size, to the first digit.
+    check_checkpoint_room(ckpt_path, 12 * sum(p.numel() for p in model.parameters()))
+    rundir.write_config(run_dir, cfg)
+    rundir.write_env(run_dir)
+    toklib.save_to_run(tok, run_dir)
+    if fresh:
+        for name in ("metrics.csv", "layers.csv", "summary.json", "mixing.json", DEPTH_STATS):
+            (run_dir / name).unlink(missing_ok=True)
+    rundir.write_status(run_dir, "running", step=step, last_loss=last_loss, message=f"{what}, {total} steps")
+
+
+def _signal_name(e: BaseException, trainer) -> str | None:
+    """The signal that stopped training, or None when it failed."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    # Lightning turns Ctrl-C into a graceful stop and then SystemExit; a signal is an interruption, not a failure.
+    # (trainer.interrupted alone says nothing: Lightning sets it for every exception that leaves fit.)
+    if isinstance(e, SIGTERMException):
+        return "SIGTERM"
+    if isinstance(e, KeyboardInterrupt) or (isinstance(e, SystemExit) and trainer.interrupted):
+        return "Ctrl-C"
+    return None
+
+
+def _record_stop(e: BaseException, signal_name: str | None, trainer, files: RunFiles, run_dir: Path) -> None:
+    """Mark the run interrupted (by a signal) or failed, with the step its last checkpoint resumes from."""
+    try:
+        if signal_name:
+            rundir.write_status(
+                run_dir,
+                "interrupted",
+                step=trainer.global_step,
+                last_loss=files.last_loss,
+                ckpt_step=files.ckpt_step,
+                message=f"stopped by {signal_name} at step {trainer.global_step}; the last "
+                f"checkpoint is at step {files.ckpt_step}",
+            )
+        else:
+            rundir.write_status(
+                run_dir,
+                "failed",
+                step=trainer.global_step,
+                last_loss=files.last_loss,
+                message=f"failed: {type(e).__name__}: {e}; run the same command again to "
+                f"resume from the last checkpoint (step {files.ckpt_step})",
+            )
+    except DiskFull:
+        pass  # the disk that refused the run's files refuses this one too; the error below says why
+
+
+def _fit(cfg: RunConfig, trainer, module, loader, resume_from, files: RunFiles, run_dir: Path, rank0: bool) -> None:
+    """Run Lightning's fit; a signal becomes RunFailed saying how to resume, and the status says what happened."""
     try:
         trainer.fit(
             module, train_dataloaders=loader, ckpt_path=str(resume_from) if resume_from else None, weights_only=True
         )
     except BaseException as e:
         _finish_tracking(cfg, rank0, failed=True)
-        from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-        # Lightning turns Ctrl-C into a graceful stop and then SystemExit; a signal is an interruption, not a failure.
-        # (trainer.interrupted alone says nothing: Lightning sets it for every exception that leaves fit.)
-        signal_name = (
-            "SIGTERM"
-            if isinstance(e, SIGTERMException)
-            else "Ctrl-C"
-            if isinstance(e, KeyboardInterrupt) or (isinstance(e, SystemExit) and trainer.interrupted)
-            else None
-        )
+        signal_name = _signal_name(e, trainer)
         if rank0:
-            try:
-                if signal_name:
-                    rundir.write_status(
-                        run_dir,
-                        "interrupted",
-                        step=trainer.global_step,
-                        last_loss=files.last_loss,
-                        ckpt_step=files.ckpt_step,
-                        message=f"stopped by {signal_name} at step {trainer.global_step}; the last "
-                        f"checkpoint is at step {files.ckpt_step}",
-                    )
-                else:
-                    rundir.write_status(
-                        run_dir,
-                        "failed",
-                        step=trainer.global_step,
-                        last_loss=files.last_loss,
-                        message=f"failed: {type(e).__name__}: {e}; run the same command again to "
-                        f"resume from the last checkpoint (step {files.ckpt_step})",
-                    )
-            except DiskFull:
-                pass  # the disk that refused the run's files refuses this one too; the error below says why
+            _record_stop(e, signal_name, trainer, files, run_dir)
         if signal_name:
             raise RunFailed(
                 f"Training was stopped by {signal_name} at step {trainer.global_step}; run the same "
                 f"command again to resume from step {files.ckpt_step}."
             ) from None
         raise
-    _finish_tracking(cfg, rank0, failed=module.diverged is not None)
-    if module.diverged is not None:
-        d = module.diverged
-        kept = f"the last good checkpoint is {ckpt_path}" if ckpt_path.exists() else "no checkpoint was saved yet"
-        message = f"{d['reason']}; {kept}"
-        if rank0:
-            rundir.write_status(run_dir, "diverged", step=d["step"], last_loss=files.last_loss, message=message)
-        raise RunFailed(f"The run {message}.")
-    if not rank0:
-        return run_dir
 
-    wall = module.elapsed_before + (time.time() - start)
+
+def _write_results(cfg, run_dir: Path, model, module, trainer, files: RunFiles, costs: StepCosts, total, wall):
+    """Write summary.json (and mixing.json where the variant has a mixing matrix) and mark the run done."""
     measured = [r for r in files.metrics if r.get("val_loss") not in (None, "")]
     val_loss = float(measured[-1]["val_loss"]) if measured else None
     val_bpb = float(measured[-1]["val_bpb"]) if measured else None
@@ -439,4 +422,71 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         last_loss=files.last_loss,
         message=f"done: val_loss {val_loss if val_loss is None else round(val_loss, 4)}",
     )
+
+
+def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) -> Path:
+    """Train ``cfg`` into ``run_dir`` (resuming its last checkpoint unless ``resume=False``); returns run_dir."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+    from lightning.pytorch import seed_everything
+
+    run_dir = Path(run_dir)
+    rank0 = rank_zero_only.rank == 0
+    _check_run_dir(run_dir)
+    ckpt_path = run_dir / "ckpt" / "last.ckpt"
+    status = rundir.read_status(run_dir)
+    if _already_done(cfg, run_dir, status, resume, rank0):
+        return run_dir
+    seq_len = _check_shapes(cfg)
+
+    tok = datalib.get_tokenizer(cfg)
+    tokens = datalib.load_tokens(cfg, tok)
+    datalib.check_sizes(tokens, seq_len, need_val=cfg.train.val_batches > 0)
+    val = datalib.val_windows(tokens.val, count=max(1, cfg.train.val_batches * cfg.train.batch_size), seq_len=seq_len)
+    byte_lengths = torch.tensor(tok.token_byte_lengths() + [0] * (cfg.model.vocab_size - tok.vocab_size))
+
+    seed_everything(cfg.train.seed, workers=True, verbose=False)
+    for noise in (".*does not have many workers.*", ".*The `srun` command is available.*", ".*LeafSpec.*"):
+        warnings.filterwarnings("ignore", noise)  # advice that does not apply to these runs
+    model = build_model(cfg.model, cfg.variant)
+    total = total_steps(cfg)
+    resume_from, resume_step = _resume_point(cfg, ckpt_path, model, resume, rank0)
+    what = f"resuming at step {resume_step}" if resume_from else "starting"
+    if rank0:
+        last_loss, fresh = status.get("last_loss"), resume_from is None
+        _start_run_dir(cfg, run_dir, ckpt_path, model, tok, resume_step, last_loss, what, total, fresh)
+    plain_logs = not sys.stderr.isatty()
+    if rank0:
+        print(
+            f"depthmem: {cfg.variant} {cfg.model.preset}, {model.num_params():,} parameters, {total} steps "
+            f"of {cfg.train.batch_size}x{seq_len} tokens = {total * cfg.train.batch_size * seq_len:,} tokens "
+            f"({what}); writing {run_dir}",
+            flush=True,
+        )
+
+    module = LitDecoder(
+        cfg, model, total=total, val_windows=torch.from_numpy(val), byte_lengths=byte_lengths, tokenizer_spec=tok.spec()
+    )
+    files = RunFiles(cfg, run_dir, ckpt_path, resume_step, plain_logs)
+    costs = StepCosts(resume_step, total)
+    _quiet_lightning()
+    callbacks = [files, costs] if plain_logs else [files, costs, StepProgressBar(files)]
+    callbacks.append(SyncedStop())  # after RunFiles, whose step-end work (checkpoints, validation) comes first
+    trainer = _trainer(cfg, callbacks, run_dir, total, plain_logs)
+    dataset = StepBatches(
+        tokens.train, cfg, total, lambda: (trainer.global_step, trainer.global_rank, trainer.world_size)
+    )
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0)
+    start = time.time()
+    _fit(cfg, trainer, module, loader, resume_from, files, run_dir, rank0)
+    _finish_tracking(cfg, rank0, failed=module.diverged is not None)
+    if module.diverged is not None:
+        d = module.diverged
+        kept = f"the last good checkpoint is {ckpt_path}" if ckpt_path.exists() else "no checkpoint was saved yet"
+        message = f"{d['reason']}; {kept}"
+        if rank0:
+            rundir.write_status(run_dir, "diverged", step=d["step"], last_loss=files.last_loss, message=message)
+        raise RunFailed(f"The run {message}.")
+    if rank0:
+        wall = module.elapsed_before + (time.time() - start)
+        _write_results(cfg, run_dir, model, module, trainer, files, costs, total, wall)
     return run_dir

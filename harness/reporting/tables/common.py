@@ -10,9 +10,9 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from harness.registry import format_value
 from harness.reporting.render import fmt_count
 from harness.reporting.results import Run, Sweep, typed_columns
+from variants.registry import format_value
 
 LDM_BASES = ("ldm", "ldm-rls")
 

@@ -293,6 +293,20 @@ def _pct(mean: float, half: float) -> str:
     return f"{100 * mean:.1f}" if math.isnan(half) else f"{100 * mean:.1f} ± {100 * half:.1f}"
 
 
+def _average_over_tasks(mine, tasks: list[str]) -> tuple[float, float, str]:
+    """The mean over tasks of each seed that has every task, then over seeds, with its interval and its kind."""
+    per_seed = mine.pivot_table(index="seed", columns="task", values="value").reindex(columns=tasks)
+    errors = mine.pivot_table(index="seed", columns="task", values="stderr", dropna=False).reindex(
+        index=per_seed.index, columns=tasks
+    )
+    complete = per_seed.dropna()
+    if not len(complete):
+        return math.nan, math.nan, ""
+    # Tasks draw independent items: the average's item error is the root sum of squares over T tasks, / T.
+    item_error = np.sqrt((errors.loc[complete.index] ** 2).sum(axis=1, min_count=len(tasks))) / len(tasks)
+    return score_ci(list(complete.mean(axis=1)), list(item_error))
+
+
 @table("downstream", needs="`eval/table.csv`")
 def downstream_table(ctx: Context) -> Table:
     """Accuracy per task in percent (`acc_norm` where the task reports it, else `acc`) with its 95% interval —
@@ -317,16 +331,7 @@ def downstream_table(ctx: Context) -> Table:
             kinds.add(kind)
             row[task], row[f"{task}_ci95"] = mean, half
             shown[task] = _pct(mean, half)
-        per_seed = mine.pivot_table(index="seed", columns="task", values="value").reindex(columns=tasks)
-        errors = mine.pivot_table(index="seed", columns="task", values="stderr", dropna=False).reindex(
-            index=per_seed.index, columns=tasks
-        )
-        complete = per_seed.dropna()
-        # Tasks draw independent items: the average's item error is the root sum of squares over T tasks, / T.
-        item_error = np.sqrt((errors.loc[complete.index] ** 2).sum(axis=1, min_count=len(tasks))) / len(tasks)
-        avg, avg_half, kind = (
-            score_ci(list(complete.mean(axis=1)), list(item_error)) if len(complete) else (math.nan, math.nan, "")
-        )
+        avg, avg_half, kind = _average_over_tasks(mine, tasks)
         kinds.add(kind)
         row["average"], row["average_ci95"] = avg, avg_half
         shown["Average"] = _pct(avg, avg_half)
