@@ -332,9 +332,10 @@ def _definition_forward(model, idx):
         k = unit(z[..., : G * dk].unflatten(-1, (G, dk)))
         if not mixer.rls:
             return k, None, None
-        omega = 2 * torch.sigmoid(z[..., G * dk :]) if cfg.omega else torch.ones(b, t, G, dtype=torch.float64)
+        gain = cfg.scalar_lr  # λ's and ω's logits are their parameters times the gain (spec §4, docs: scalar_lr)
+        omega = 2 * torch.sigmoid(gain * z[..., G * dk :]) if cfg.omega else torch.ones(b, t, G, dtype=torch.float64)
         lam = (
-            0.5 + 0.5 * torch.sigmoid(mixer.theta[n])
+            0.5 + 0.5 * torch.sigmoid(gain * mixer.theta[n])
             if cfg.lambda_ == "learned"
             else torch.full((G,), float(cfg.lambda_), dtype=torch.float64)
         )

@@ -212,7 +212,8 @@ def test_other_variant_trains_and_writes_the_contract(tmp_path):
     # Independently: λ from the trained θ in float64, ω by hand from the key MLPs on the residual stream.
     model, tok, cfg = load_model(run)
     mixer, L, G = model.mixer, model.n_layers, 4
-    lam = 0.5 + 0.5 * torch.sigmoid(mixer.theta.detach().double())  # (L, G)
+    gain = cfg.variant.config.scalar_lr  # the logits are the parameters times the gain
+    lam = 0.5 + 0.5 * torch.sigmoid(gain * mixer.theta.detach().double())  # (L, G)
     assert torch.tensor(summary["depth_memory"]["lambda"], dtype=torch.float64).shape == (L, G)
     torch.testing.assert_close(
         torch.tensor(summary["depth_memory"]["lambda"], dtype=torch.float64), lam, rtol=1e-12, atol=0
@@ -224,7 +225,7 @@ def test_other_variant_trains_and_writes_the_contract(tmp_path):
     for layer, key in enumerate(mixer.keys):
         xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * key.norm.weight
         z = F.linear(F.silu(F.linear(xn, key.fc1.weight, key.fc1.bias)), key.fc2.weight, key.fc2.bias)
-        omega = 2 * torch.sigmoid(z[..., -G:]).detach()  # (b, t, g): the key MLP's outputs after the G keys
+        omega = 2 * torch.sigmoid(gain * z[..., -G:]).detach()  # (b, t, g): the key MLP's outputs after the G keys
         got = summary["depth_memory"]["omega"][layer]
         want = {"mean": omega.mean(), "std": omega.std(unbiased=False), "min": omega.min(), "max": omega.max()}
         for name, value in want.items():
