@@ -107,7 +107,7 @@ def test_whitened_writes_are_the_inverse_cholesky_factor(groups, key_dim, n, rng
     ridge = ldm_rls.ridge_diagonal(torch.cumprod(lambdas, 0)[:, None], omegas, alpha)  # (n, b, g)
     kt, vt = (), ()
     for i in range(n):
-        k_i, v_i, _ = ldm_rls.whiten_plain(keys[i], values[i], ridge[i], kt, vt)
+        k_i, v_i, _ = ldm_rls.whiten(keys[i], values[i], ridge[i], kt, vt)
         kt, vt = kt + (k_i,), vt + (v_i,)
     K, V = keys.movedim(0, -2), values.movedim(0, -2)  # (b, g, n, k), (b, g, n, v)
     chol = torch.linalg.cholesky(K @ K.mT + torch.diag_embed(ridge.movedim(0, -1)))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from harness.config import build_config
 from harness.model.factory import build_model
 from variants.ops import unit
-from variants.ops.rls import forgetting_factor, importance_weight, ridge_diagonal, whiten_plain
+from variants.ops.rls import forgetting_factor, importance_weight, ridge_diagonal, whiten
 
 UNDERFLOWING_LOGITS = (-100.0, -46.0)
 
@@ -46,7 +46,7 @@ def test_every_parameter_gets_a_finite_gradient_when_omega_underflows(rng_seed, 
 
 
 def test_the_plain_write_has_finite_gradients_when_omega_underflows(rng_seed):
-    """``importance_weight`` → ``ridge_diagonal`` → ``whiten_plain`` over six writes and a read, as the plain path
+    """``importance_weight`` → ``ridge_diagonal`` → ``whiten`` over six writes and a read, as the plain path
     chains them, with the ridge entries' forgetting learned."""
     batch, groups, width, writes = 32, 8, 8, 6
     logits = torch.stack([_underflowing_logits(groups).expand(batch, groups) for _ in range(writes)])
@@ -59,7 +59,7 @@ def test_the_plain_write_has_finite_gradients_when_omega_underflows(rng_seed):
         lam = forgetting_factor(theta[n])
         decay = lam if decay is None else decay * lam
         ridge = ridge_diagonal(decay, importance_weight(logits[n]), alpha=1.0)
-        k, v, margin = whiten_plain(unit(raw_keys[n]), raw_values[n], ridge, keys, values)
+        k, v, margin = whiten(unit(raw_keys[n]), raw_values[n], ridge, keys, values)
         assert torch.isfinite(margin)
         keys, values = keys + (k,), values + (v,)
     query = unit(torch.randn(batch, groups, width))

@@ -7,7 +7,7 @@ float32, within twice PreLN's own bf16 error on the same input, or within 1.25 t
 where the math's sensitivity to bf16 inputs already exceeds that.
 
 Five of these cases lose their digits in float32 (the worst with an overflow, inf, in the reads;
-docs/ldm-performance.md): there the margin guard of ``rls.whiten_plain`` must trip (``step_checks``), after which the
+docs/ldm-performance.md): there the margin guard of ``rls.whiten`` must trip (``step_checks``), after which the
 model whitens and reads in float64 and matches. No case may miss the tolerance without the guard tripping; the one
 case where float64 loses its digits too is held to ``TOL_BEYOND_FLOAT64``, and the guard must say so."""
 

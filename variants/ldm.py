@@ -9,7 +9,7 @@ query MLP.
 
 Two implementations compute the same function (``mixer.impl``). ``dual``, the default, never forms ``M``: it keeps
 the writes ``(k_i, v_i)`` and reads ``M q = Σ_i v_i (k_iᵀ q)``, linear attention over depth (for RLS the writes are
-whitened first, ``rls.whiten_plain``), so backward keeps no per-layer memory and a read costs O(writes · d) per
+whitened first, ``rls.whiten``), so backward keeps no per-layer memory and a read costs O(writes · d) per
 token. It is one set of plain tensor operations that eager CPU and GPU runs and ``torch.compile`` all take: the
 writes stacked along depth for every read, and the read and the whitening through the dispatch functions of
 ``variants/kernels/`` (the fused kernels where they run, their ``naive.py`` elsewhere). ``recurrent``
@@ -240,7 +240,7 @@ class LDM(DepthMixer):
                 wt = torch.promote_types(dt, self.whiten_dtype)
                 decay = lam.to(wt) if state.decay is None else state.decay * lam.to(wt)  # Π_{j≤n} λ_j
                 ridge = rls.ridge_diagonal(decay, omega.to(wt), self.cfg.alpha)
-                k, v, margin = rls.whiten_plain(k.to(wt), v.to(wt), ridge, state.keys, state.values)
+                k, v, margin = rls.whiten(k.to(wt), v.to(wt), ridge, state.keys, state.values)
                 self._note_margin(margin, wt)
             return state.keys + (k,), state.values + (v,), decay
 

@@ -6,7 +6,7 @@ key covariance ``P`` (dk × dk). The same memory has a dual form (kernel ridge r
 ``M q = Σ_i r_i v_i`` with ``r = (K Kᵀ + D)⁻¹ K q``, ``D = diag(d_i)``, ``d_i = Π_{j≤i} λ_j / (α ω_i)``; since
 ``D`` does not depend on the reader, the Cholesky factor ``K Kᵀ + D = L Lᵀ`` only grows by one row per write, and
 with ``k̃ = L⁻¹K``, ``ṽ = L⁻¹V`` the memory is ``M = Σ_i ṽ_i k̃_iᵀ``: a plain outer-product memory of whitened
-writes, which ``whiten_plain`` computes one Gram–Schmidt step at a time. ``closed_form_memory`` and
+writes, which ``whiten`` computes one Gram–Schmidt step at a time. ``closed_form_memory`` and
 ``read_weights`` solve the objective directly, as the references both forms are tested against. The variant is
 ``ldm-rls`` (``variants/ldm_rls.py``); ``variants/ldm.py`` computes its memory with these functions.
 
@@ -15,7 +15,7 @@ Precision. The dual form is exact in exact arithmetic, but its Gram matrix ``K K
 of more writes than key dimensions are linearly dependent, so the Schur complement ``δ²`` of a late write is a
 tiny difference of O(1) numbers and float32 loses it (relative errors up to 1 and beyond were measured). The
 regression itself stays well conditioned (a float32 rounding of its inputs moves the float64 answer by ~1e-7).
-``whiten_plain`` therefore also returns its margin, the smallest ``δ² / (|k|² + d_n)``: the relative size of what
+``whiten`` therefore also returns its margin, the smallest ``δ² / (|k|² + d_n)``: the relative size of what
 survives the cancellation. Above ``min_margin(dtype)`` the dual form is accurate (the measured error stays below
 1e-5 in float32). The margin is kept on the device and read once per step (``LDM.step_checks``); once it has
 fallen below the floor, the model whitens and reads in float64 from the next step on. Measurements are in
@@ -125,7 +125,7 @@ def ridge_diagonal(decay: torch.Tensor, omega: torch.Tensor, alpha: float) -> to
     return decay / (alpha * omega)
 
 
-def whiten_plain(
+def whiten(
     k: torch.Tensor,
     v: torch.Tensor,
     ridge: torch.Tensor,
@@ -153,7 +153,7 @@ def whiten_plain(
 
 
 def min_margin(dtype: torch.dtype) -> float:
-    """The smallest ``whiten_plain`` margin at which the dual form is still accurate in ``dtype``: 1e-2 in float32
+    """The smallest ``whiten`` margin at which the dual form is still accurate in ``dtype``: 1e-2 in float32
     (measured: reads within 1e-5 of float64 above it), scaled by the precision's epsilon for other dtypes."""
     return 1e-2 * torch.finfo(dtype).eps / torch.finfo(torch.float32).eps
 
