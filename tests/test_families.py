@@ -10,6 +10,7 @@ import textwrap
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 from cli_checks import fails
 from scipy import stats
 
@@ -28,8 +29,9 @@ axes:
 """
 
 
-def write_runs(root, losses: dict[str, dict[int, float]], tokens: int = 1000) -> None:
-    """Finished run directories with the given final validation loss per variant and seed."""
+def write_runs(root, losses: dict[str, dict[int, float]], tokens: int | None = 1000) -> None:
+    """Finished run directories with the given final validation loss per variant and seed (and no token count
+    with ``tokens=None``)."""
     for variant, by_seed in losses.items():
         for seed, loss in by_seed.items():
             run = root / f"{variant}-s{seed}".replace("(", "_").replace(")", "").replace("=", "-").replace(",", "_")
@@ -37,7 +39,8 @@ def write_runs(root, losses: dict[str, dict[int, float]], tokens: int = 1000) ->
             config = {"variant": variant, "model": {"preset": "tiny"}, "train": {"seed": seed, "lr": 3e-3}}
             (run / "config.json").write_text(json.dumps(config))
             (run / "status.json").write_text(json.dumps({"state": "done", "step": 10}))
-            (run / "summary.json").write_text(json.dumps({"val_loss": loss, "train_tokens": tokens}))
+            summary = {"val_loss": loss} if tokens is None else {"val_loss": loss, "train_tokens": tokens}
+            (run / "summary.json").write_text(json.dumps(summary))
 
 
 def random_losses(rng, names, seeds=(0, 1, 2, 3)) -> dict[str, dict[int, float]]:
@@ -53,26 +56,18 @@ def _grid(tmp_path, report_section: str, extra: str = ""):
 
 
 def test_a_grid_declares_its_families_in_the_compact_form(tmp_path):
-    grid = load_grid(
-        _grid(
-            tmp_path,
-            """
-            primary:
-              - {variant: ldm-rls, against: preln}
-              - {variants: [ldm-rls], against: matched}
-            secondary:
-              ablations: [{variants: ["ldm-rls(omega=off)"], against: base}]
-            """,
-        )
+    path = _grid(
+        tmp_path,
+        """
+        primary:
+          - {variant: ldm-rls, against: preln}
+          - {variants: [ldm-rls], against: matched}
+        secondary:
+          ablations: [{variants: ["ldm-rls(omega=off,lambda=learned)"], against: base}]
+        """,
     )
-    assert grid.name == "g"
-    claims = parse_claims(
-        {
-            "primary": [{"variant": "ldm-rls", "against": "preln"}, {"variants": ["ldm-rls"], "against": "matched"}],
-            "secondary": {"ablations": [{"variants": ["ldm-rls(omega=off,lambda=learned)"], "against": "base"}]},
-        },
-        "g.yaml",
-    )
+    load_grid(path)  # the grid checks its declaration as it loads (the bad ones below are refused)
+    claims = parse_claims(yaml.safe_load(path.read_text())["report"], str(path))
     assert [(c.family, c.variant, c.against) for c in claims] == [
         ("primary", "ldm-rls", "preln"),
         ("primary", "ldm-rls", "preln(match=ldm-rls)"),
@@ -184,3 +179,16 @@ def test_without_declared_families_each_table_is_one_family(tmp_path, rng_seed):
     main = pd.read_csv(out / "tables" / "main.csv").set_index("variant")
     assert list(main.loc[["ldm", "ldm-rls"], "delta_p_holm"]) == pytest.approx(_holm(raw), rel=1e-9)
     assert "## Claims" not in text and "family" not in main.columns
+
+
+def test_a_family_tests_only_the_deltas_the_tables_compute(tmp_path, rng_seed):
+    """Runs whose token budget is unknown get no Δ in the tables, so their family holds no test and no p either."""
+    losses = random_losses(np.random.default_rng(rng_seed), ["preln", "ldm-rls"])
+    root = tmp_path / "sweep"
+    write_runs(root, losses, tokens=None)
+    spec = {"tables": ["main"], "figures": [], "primary": [{"variant": "ldm-rls", "against": "preln"}]}
+    out = tmp_path / "out"
+    text = report(root, out_dir=out, spec=spec).read_text()
+    main = pd.read_csv(out / "tables" / "main.csv").set_index("variant")
+    assert math.isnan(main.loc["ldm-rls", "delta"]) and math.isnan(main.loc["ldm-rls", "delta_p_holm"])
+    assert "- Primary family: 0 test(s)" in text

@@ -12,6 +12,7 @@ import pandas as pd
 
 from harness.reporting.render import fmt_count
 from harness.reporting.results import Run, Sweep, typed_columns
+from harness.reporting.stats import Comparison, compare
 from variants.registry import format_value
 
 LDM_BASES = ("ldm", "ldm-rls")
@@ -46,6 +47,25 @@ def train_tokens(run: Run) -> int | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return int(value)
     return None
+
+
+def finished_runs(groups: dict[tuple[str, str], list[Run]], setting: str, variant: str) -> list[Run]:
+    """The runs of ``variant`` in ``setting`` that count: finished, with a final validation loss."""
+    return [r for r in groups.get((setting, variant), []) if r.final_loss is not None]
+
+
+def one_budget(runs: Iterable[Run], ref_runs: Iterable[Run]) -> bool:
+    """Whether both sides trained on one token budget, and a known one: no Δ is computed across budgets."""
+    tokens = {train_tokens(r) for r in [*runs, *ref_runs]}
+    return len(tokens) == 1 and None not in tokens
+
+
+def delta(runs: list[Run], ref_runs: list[Run]) -> Comparison | None:
+    """``runs`` minus ``ref_runs`` in final loss, paired by seed where seeds are shared; None without runs on both
+    sides on one known budget. The one rule every table and every declared family computes a Δ by."""
+    if not runs or not ref_runs or not one_budget(runs, ref_runs):
+        return None
+    return compare({r.seed: r.final_loss for r in ref_runs}, {r.seed: r.final_loss for r in runs})
 
 
 def budget_text(tokens: set[int | None]) -> str:

@@ -15,12 +15,15 @@ import pandas as pd
 from harness.reporting.items import Context, NoData, table
 from harness.reporting.render import SIGNIFICANCE, Table, fmt_ci, fmt_count, fmt_delta, fmt_p
 from harness.reporting.results import Run, Sweep, knobs_text, split_variant
-from harness.reporting.stats import compare, holm, mean_ci, score_ci
+from harness.reporting.stats import holm, mean_ci, score_ci
 from harness.reporting.tables.common import (
     budget_text,
+    delta,
     failures,
     failures_text,
+    finished_runs,
     group_runs,
+    one_budget,
     one_seed_note,
     ordered_keys,
     perplexity,
@@ -51,16 +54,14 @@ def _delta_text(row: dict, reference: str, ref_runs: list[Run], tokens: set, ref
 
 def comparison_row(groups, setting: str, variant: str, reference: str, used: dict, *, with_ppl: bool):
     """One row of a comparison with ``reference``: its numbers and its cells (the p column filled later)."""
-    runs = [r for r in groups[(setting, variant)] if r.final_loss is not None]
-    ref_runs = [r for r in groups.get((setting, reference), []) if r.final_loss is not None]
+    runs, ref_runs = finished_runs(groups, setting, variant), finished_runs(groups, setting, reference)
     loss, loss_half, n = mean_ci(r.final_loss for r in runs)
     ppl, ppl_half, _ = mean_ci(perplexity(r) for r in runs)
     tokens, ref_tokens = {train_tokens(r) for r in runs}, {train_tokens(r) for r in ref_runs}
     used["tokens"] |= tokens
-    same_budget = not runs or not ref_runs or (len(tokens | ref_tokens) == 1 and None not in tokens)
-    c = None
-    if variant != reference and runs and ref_runs and same_budget:
-        c = compare({r.seed: r.final_loss for r in ref_runs}, {r.seed: r.final_loss for r in runs})
+    same_budget = not runs or not ref_runs or one_budget(runs, ref_runs)
+    c = delta(runs, ref_runs) if variant != reference else None
+    if c is not None:
         used["methods"].add(c.method)
         if c.partial:
             used["partial"].append(variant if not setting else f"{variant} ({setting})")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from harness.reporting.claims import Claim
 from harness.reporting.claims import families as by_family
-from harness.reporting.stats import compare, holm
-from harness.reporting.tables.common import group_runs, train_tokens
+from harness.reporting.stats import holm
+from harness.reporting.tables.common import delta, finished_runs, group_runs
 
 
 @dataclass
@@ -29,15 +29,13 @@ class Family:
     @property
     def size(self) -> int:
         """Tests Holm corrects over: the claims with a p-value, counted once per setting."""
-        return sum(not math.isnan(p) for p in self.adjusted.values())
+        return len(self.adjusted)
 
 
-def _raw_p(groups: dict, setting: str, claim: Claim) -> float:
-    runs = [r for r in groups.get((setting, claim.variant), []) if r.final_loss is not None]
-    refs = [r for r in groups.get((setting, claim.against), []) if r.final_loss is not None]
-    if not runs or not refs or len({train_tokens(r) for r in runs + refs}) != 1:
-        return math.nan  # no data, or two budgets: the tables give no Δ either
-    return compare({r.seed: r.final_loss for r in refs}, {r.seed: r.final_loss for r in runs}).p
+def _raw_p(groups: dict, setting: str, variant: str, against: str) -> float:
+    # The tables' own Δ: no data, or two budgets, give none here either.
+    c = delta(finished_runs(groups, setting, variant), finished_runs(groups, setting, against))
+    return math.nan if c is None else c.p
 
 
 def family_tests(runs, claims: list[Claim]) -> list[Family]:
@@ -48,7 +46,7 @@ def family_tests(runs, claims: list[Claim]) -> list[Family]:
     for name, members in by_family(claims).items():
         family = Family(name, members)
         keys = [(s, c.variant, c.against) for c in members for s in settings]
-        raw = [_raw_p(groups, s, Claim(name, v, a)) for s, v, a in keys]
+        raw = [_raw_p(groups, *key) for key in keys]
         family.adjusted = {k: p for k, p, r in zip(keys, holm(raw), raw) if not math.isnan(r)}
         family.missing = [c for c in members if not any(k[1:] == (c.variant, c.against) for k in family.adjusted)]
         out.append(family)
