@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from harness.cli import main as cli_main
 
 # The smallest real run: two steps of the tiny preset, checkpointed, so every loader has something to load.
@@ -37,3 +39,21 @@ def fails(capsys, argv: list[str], code: int = 2, max_len: int = 600) -> str:
     line = lines[0]
     assert line.endswith((".", "?")) and len(line) < max_len, line
     return line
+
+
+def dry_run_text(capsys, tmp_path, profile: str, variants: list[str], results) -> str:
+    """What ``depthmem sweep --dry-run`` prints for a grid of the tiny preset (100 steps of 16 sequences) over
+    ``variants``, under a profile whose YAML text is ``profile``, planned in the results folder ``results``."""
+    path = tmp_path / "profile.yaml"
+    path.write_text(profile)
+    grid = tmp_path / "g.yaml"
+    grid.write_text(
+        textwrap.dedent(f"""
+        name: g
+        profile: {path}
+        base: {{model: {{preset: tiny}}, train: {{max_steps: 100, batch_size: 16}}}}
+        axes: {{variant: [{", ".join(variants)}]}}
+        """)
+    )
+    assert cli_main(["sweep", str(grid), "--dry-run", "--results", str(results)]) == 0
+    return capsys.readouterr().out

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
+from cli_checks import dry_run_text
 from torch.utils.flop_counter import FlopCounterMode
 
-from harness.cli import main
 from harness.config import build_config
 from harness.model.costs import preln_flops_per_token
 from harness.model.factory import build_model
@@ -62,19 +60,8 @@ def test_a_mixer_adds_its_flops_and_parameters():
 
 
 def test_dry_run_prints_costs_per_run_and_total(tmp_path, capsys):
-    profile = tmp_path / "cards.yaml"
-    profile.write_text("nodes: 2\ntasks_per_node: 4\ngpus_per_node: 4\ngpu_peak_tflops: 989\nutilisation: 0.5\n")
-    grid = tmp_path / "g.yaml"
-    grid.write_text(
-        textwrap.dedent(f"""
-        name: g
-        profile: {profile}
-        base: {{model: {{preset: tiny}}, train: {{max_steps: 100, batch_size: 16}}}}
-        axes: {{variant: [preln, hc]}}
-        """)
-    )
-    assert main(["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "r")]) == 0
-    out = capsys.readouterr().out
+    profile = "nodes: 2\ntasks_per_node: 4\ngpus_per_node: 4\ngpu_peak_tflops: 989\nutilisation: 0.5\n"
+    out = dry_run_text(capsys, tmp_path, profile, ["preln", "hc"], tmp_path / "r")
     assert "GPU time at 50% of a 989 TFLOP/s bf16 peak" in out
     costs = [
         run_cost(

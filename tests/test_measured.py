@@ -3,19 +3,17 @@ card of the profile's peak is priced at the measured rate, every other run at th
 
 from __future__ import annotations
 
-import textwrap
-
 import pandas as pd
 import pytest
+from cli_checks import dry_run_text
 
 from harness.benchmarks import measured
-from harness.cli import main
 from harness.config import build_config
 from harness.sweeps.estimate import run_cost, sweep_cost
 
 
 @pytest.fixture
-def bench_csv(tmp_path, monkeypatch, rng_seed):
+def bench_csv(tmp_path, rng_seed):
     import random
 
     rates = random.Random(rng_seed)
@@ -27,10 +25,11 @@ def bench_csv(tmp_path, monkeypatch, rng_seed):
     ]
     unmeasured = {"depth": 4, "mode": "compiled", "variant": "hc", "model_tflops": None}
     rows.append({"card": "NVIDIA H100 80GB HBM3", **unmeasured})
-    path = tmp_path / "steps.csv"
+    # Where `make gpu-bench --out r/gpu-bench` leaves it, in the results folder the dry run below plans in.
+    path = tmp_path / "r" / "gpu-bench" / "steps.csv"
+    path.parent.mkdir(parents=True)
     pd.DataFrame(rows).to_csv(path, index=False)
-    monkeypatch.setattr(measured, "STEPS_CSV", path)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows), path
 
 
 def _config(variant: str, n_blocks: int):
@@ -41,8 +40,9 @@ def _config(variant: str, n_blocks: int):
 
 def test_measured_variants_use_the_rate_of_the_nearest_depth(bench_csv):
     configs = [_config("preln", 2), _config("ldm", 5), _config("hc", 2), _config("attnres", 2)]
-    costs = sweep_cost(configs, peak_tflops=989, utilisation=0.4)
-    compiled = bench_csv[bench_csv["mode"] == "compiled"].set_index(["variant", "depth"]).model_tflops
+    frame, path = bench_csv
+    costs = sweep_cost(configs, peak_tflops=989, utilisation=0.4, steps_csv=path)
+    compiled = frame[frame["mode"] == "compiled"].set_index(["variant", "depth"]).model_tflops
     # preln at 4 sublayers was measured at 4; ldm at 10 sublayers is nearest to the run at 8.
     for cost, (name, depth) in zip(costs[:2], [("preln", 4), ("ldm", 8)]):
         assert cost["gpu_hours"] == pytest.approx(cost["train_flops"] / (compiled[name, depth] * 1e12) / 3600)
@@ -55,24 +55,16 @@ def test_measured_variants_use_the_rate_of_the_nearest_depth(bench_csv):
 
 
 def test_a_card_of_another_peak_is_not_used(bench_csv):
-    costs = sweep_cost([_config("preln", 2)], peak_tflops=312, utilisation=0.4)
+    costs = sweep_cost([_config("preln", 2)], peak_tflops=312, utilisation=0.4, steps_csv=bench_csv[1])
     assert costs[0]["gpu_hours_basis"] == "assumed"
     assert measured.basis_note(costs, 0.4, 312).startswith("GPU time at 40% of a 312 TFLOP/s bf16 peak, assumed")
 
 
 def test_dry_run_says_which_runs_are_measured(bench_csv, tmp_path, capsys):
-    profile = tmp_path / "h100.yaml"
-    profile.write_text("gpu_peak_tflops: 989\nutilisation: 0.5\n")
-    grid = tmp_path / "g.yaml"
-    grid.write_text(
-        textwrap.dedent(f"""
-        name: g
-        profile: {profile}
-        base: {{model: {{preset: tiny}}, train: {{max_steps: 100, batch_size: 16}}}}
-        axes: {{variant: [preln, attnres]}}
-        """)
-    )
-    assert main(["sweep", str(grid), "--dry-run", "--results", str(tmp_path / "r")]) == 0
-    out = capsys.readouterr().out
+    profile = "gpu_peak_tflops: 989\nutilisation: 0.5\n"
+    out = dry_run_text(capsys, tmp_path, profile, ["preln", "attnres"], tmp_path / "r")
     assert "GPU time of 1 run(s) at the model FLOP/s their variant reached on NVIDIA H100 80GB HBM3" in out
     assert "of 1 at 50% of a 989 TFLOP/s bf16 peak, assumed" in out
+    # The benchmark belongs to its results folder: a sweep planned in another one does not see it.
+    out = dry_run_text(capsys, tmp_path, profile, ["preln", "attnres"], tmp_path / "elsewhere")
+    assert "GPU time at 50% of a 989 TFLOP/s bf16 peak, assumed" in out and "GPU time of" not in out

@@ -1,29 +1,28 @@
 """GPU-hours from measurement: what the dry run's cost estimate uses where ``make gpu-bench`` has timed the card.
 
-``results/gpu-bench/steps.csv`` holds, per variant and depth, the model FLOP/s a compiled training step reached on a
-card (``model_tflops``: three times the forward FLOPs per token of the cost model, PreLN's and the mixer's, times the
-measured tokens/s). A run whose profile names a card of the same bf16 peak (``gpu_peak_tflops``) and whose variant
-was measured (the same canonical name, else its family's default) is priced at that rate, from the measured depth
-nearest its own: ``GPU-hours = training FLOPs / measured FLOP/s``, which is ``tokens / measured tokens/s`` when the
-run has the benchmark's shape. Every other run keeps the profile's assumed ``utilisation`` of the peak.
+A results folder's ``gpu-bench/steps.csv`` (``make gpu-bench`` writes ``results/gpu-bench``; a sweep reads the
+one in the ``--results`` folder it is planned in) holds, per variant and depth, the model FLOP/s a compiled
+training step reached on a card (``model_tflops``: three times the forward FLOPs per token of the cost model,
+PreLN's and the mixer's, times the measured tokens/s). A run whose profile names a card of the same bf16 peak
+(``gpu_peak_tflops``) and whose variant was measured (the same canonical name, else its family's default) is
+priced at that rate, from the measured depth nearest its own: ``GPU-hours = training FLOPs / measured FLOP/s``,
+which is ``tokens / measured tokens/s`` when the run has the benchmark's shape. Every other run keeps the
+profile's assumed ``utilisation`` of the peak.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-STEPS_CSV = Path(__file__).resolve().parents[2] / "results" / "gpu-bench" / "steps.csv"
 
-
-def measured_rates(peak_tflops: float, path: Path | None = None) -> tuple[str, dict[str, dict[int, float]]]:
-    """The benchmarked card with this bf16 peak and its compiled steps' model TFLOP/s by variant and depth;
-    ("", {}) when no benchmark of such a card exists."""
+def measured_rates(peak_tflops: float, path: Path | None) -> tuple[str, dict[str, dict[int, float]]]:
+    """The card with this bf16 peak benchmarked in ``path`` (a ``steps.csv``) and its compiled steps' model TFLOP/s
+    by variant and depth; ("", {}) when there is no such benchmark."""
     import pandas as pd
 
     from harness.model.roofline import card_named
 
-    path = path or STEPS_CSV
-    if not path.exists():
+    if path is None or not path.exists():
         return "", {}
     frame = pd.read_csv(path)
     if not {"card", "model_tflops", "mode", "variant", "depth"} <= set(frame.columns):
@@ -36,7 +35,7 @@ def measured_rates(peak_tflops: float, path: Path | None = None) -> tuple[str, d
     return (str(frame.card.iloc[0]) if len(frame) else ""), rates
 
 
-def apply_measured(configs, costs: list[dict], peak_tflops: float, path: Path | None = None) -> list[dict]:
+def apply_measured(configs, costs: list[dict], peak_tflops: float, path: Path | None) -> list[dict]:
     """``costs`` (one dict per run, from ``run_cost``) with ``gpu_hours`` from the measured rate where there is one,
     and ``gpu_hours_basis`` naming what each one rests on."""
     import variants
@@ -60,7 +59,7 @@ def basis_note(costs: list[dict], utilisation: float, peak_tflops: float) -> str
     assumed = sum(c["gpu_hours_basis"] == "assumed" for c in costs)
     peak = f"{utilisation:.0%} of a {peak_tflops:g} TFLOP/s bf16 peak, assumed"
     if not measured:
-        return f"GPU time at {peak} (no make gpu-bench of a card with this peak in results/gpu-bench)"
+        return f"GPU time at {peak} (no make gpu-bench of a card with this peak in the results folder's gpu-bench)"
     where = ", ".join(m.removeprefix("measured on ") for m in measured)
     note = f"GPU time of {len(costs) - assumed} run(s) at the model FLOP/s their variant reached on {where} (make "
     note += "gpu-bench, compiled, nearest depth)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from harness import tracking, units
 from harness.rundir import write_config
 from harness.sweeps.jobstate import format_rows
@@ -119,7 +121,7 @@ def describe_plan(p: Plan) -> str:
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.sweeps.estimate import describe_costs
 
-    lines.append(describe_costs(p.runs, pr))
+    lines.append(describe_costs(p.runs, pr, measured_steps(p)))
     if p.tuning is not None:
         lines.append(_both_stages(p))
     if p.backfill:
@@ -131,6 +133,12 @@ def describe_plan(p: Plan) -> str:
     lines += [f"note: {n}" for n in p.notes]
     lines += [f"warning: {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def measured_steps(p: Plan) -> Path:
+    """The ``make gpu-bench`` steps of the results folder the sweep is planned in, which price its GPU time where
+    they cover its card and variants (``harness.benchmarks.measured``)."""
+    return p.sweep_dir.parent / "gpu-bench" / "steps.csv"
 
 
 def _describe_tuning(p: Plan) -> list[str]:
@@ -156,7 +164,7 @@ def _describe_tuning(p: Plan) -> list[str]:
         f"of {t.axis} ({', '.join(f'{v:g}' for v in t.values)}) x {seeds}, each validated on the tuning split "
         f"(data.eval_split=tune) and judged on its final {t.metric}; a cell's runs start once its tuning has ended",
         format_rows(rows, ["run_id", *tp.axes, "action", "steps", "tokens"]),
-        describe_costs(tp.runs, p.profile),
+        describe_costs(tp.runs, p.profile, measured_steps(p)),
     ]
     inherit = [e for e in p.selection.values() if not e["tuned"]]
     for entry in tuned:
@@ -175,8 +183,9 @@ def _both_stages(p: Plan) -> str:
 
     assert p.tuning is not None
     pr = p.profile
-    tune = sweep_cost([r.cfg for r in p.tuning.runs], peak_tflops=pr.gpu_peak_tflops, utilisation=pr.utilisation)
-    main = sweep_cost([r.cfg for r in p.runs], peak_tflops=pr.gpu_peak_tflops, utilisation=pr.utilisation)
+    rates = dict(peak_tflops=pr.gpu_peak_tflops, utilisation=pr.utilisation, steps_csv=measured_steps(p))
+    tune = sweep_cost([r.cfg for r in p.tuning.runs], **rates)
+    main = sweep_cost([r.cfg for r in p.runs], **rates)
 
     def total(costs, key):
         return sum(c[key] for c in costs)

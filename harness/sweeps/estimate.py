@@ -11,6 +11,7 @@ a run of a measured variant is priced at the measured rate instead (``harness.be
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,22 +56,27 @@ def run_cost(cfg: RunConfig, *, peak_tflops: float, utilisation: float, _cache: 
     return {"params": params, "steps": steps, "tokens": tokens, "train_flops": float(flops), "gpu_hours": gpu_hours}
 
 
-def sweep_cost(configs: Iterable[RunConfig], *, peak_tflops: float, utilisation: float) -> list[dict[str, Any]]:
-    """``run_cost`` of every config (models of the same size and variant are counted once)."""
+def sweep_cost(
+    configs: Iterable[RunConfig], *, peak_tflops: float, utilisation: float, steps_csv: Path | None = None
+) -> list[dict[str, Any]]:
+    """``run_cost`` of every config (models of the same size and variant are counted once), at the rates measured in
+    ``steps_csv`` (a ``make gpu-bench`` output) where it has the card and the variant."""
     from harness.benchmarks.measured import apply_measured
 
     cache: dict = {}
     configs = list(configs)
     costs = [run_cost(c, peak_tflops=peak_tflops, utilisation=utilisation, _cache=cache) for c in configs]
-    return apply_measured(configs, costs, peak_tflops)
+    return apply_measured(configs, costs, peak_tflops, steps_csv)
 
 
-def describe_costs(runs, profile) -> str:
+def describe_costs(runs, profile, steps_csv: Path | None = None) -> str:
     """The dry run's cost block: one row per run, then the sweep's total and the hours each run takes."""
 
     from harness.benchmarks.measured import basis_note
 
-    costs = sweep_cost([r.cfg for r in runs], peak_tflops=profile.gpu_peak_tflops, utilisation=profile.utilisation)
+    costs = sweep_cost(
+        [r.cfg for r in runs], peak_tflops=profile.gpu_peak_tflops, utilisation=profile.utilisation, steps_csv=steps_csv
+    )
     rows = [
         {
             "run_id": r.run_id,
