@@ -10,6 +10,7 @@ seed and the command that replays it (``--rng-seed S`` pins ``rng_seed`` to ``S`
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import random
 import re
@@ -132,3 +133,20 @@ def pytest_runtest_makereport(item, call):
         replay = f"{SEED_ENV}={base} pytest '{_replay_id(item.nodeid, seed)}' --rng-seed {seed}"
         report.sections.append(("depthmem seed", f"this test's seed: {seed}; replay: {replay}"))
     return report
+
+
+@pytest.fixture
+def shared_cache(tmp_path_factory, monkeypatch):
+    """One tokenizer and token cache for every test worker (the cache is safe under concurrent use): a module that
+    trains or tokenizes asks for it with ``pytestmark = pytest.mark.usefixtures("shared_cache")``."""
+    path = tmp_path_factory.getbasetemp().parent / "depthmem-cache"
+    monkeypatch.setenv("DEPTHMEM_CACHE", str(path))
+    return path
+
+
+@pytest.fixture
+def quiet_stale_log_handlers(monkeypatch):
+    """Libraries attach log handlers to the stderr of the test that imported them, and pytest closes that stream
+    afterwards: logging would print its own "--- Logging error ---" traceback into a later test's stderr, which the
+    CLI tests read."""
+    monkeypatch.setattr(logging, "raiseExceptions", False)

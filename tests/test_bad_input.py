@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
 import random
 import shutil
@@ -26,22 +25,9 @@ from cli_checks import TRAIN_ARGS, fails
 from harness.cli import main as cli_main
 from harness.model.checkpoint import load_model
 
+pytestmark = pytest.mark.usefixtures("shared_cache", "quiet_stale_log_handlers")
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True)
-def shared_cache(tmp_path_factory, monkeypatch):
-    """The tokenizer and token cache every test file shares (it is safe under concurrent use)."""
-    path = tmp_path_factory.getbasetemp().parent / "depthmem-cache"
-    monkeypatch.setenv("DEPTHMEM_CACHE", str(path))
-    return path
-
-
-@pytest.fixture(autouse=True)
-def quiet_stale_log_handlers(monkeypatch):
-    # Libraries attach log handlers to the stderr of the test that imported them; pytest closes that stream
-    # afterwards, and logging would print its own "--- Logging error ---" traceback into this test's stderr.
-    monkeypatch.setattr(logging, "raiseExceptions", False)
 
 
 @pytest.fixture(scope="module")

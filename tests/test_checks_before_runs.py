@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -28,24 +27,12 @@ from harness.rundir import short_value, write_config, write_status
 from harness.sweeps.planning import plan
 from harness.yamltext import read_yaml
 
+pytestmark = pytest.mark.usefixtures("shared_cache", "quiet_stale_log_handlers")
+
 GRID = (
     "name: g\nbase:\n  model: {{preset: tiny}}\n  train: {{max_steps: 2}}\n  eval: {{tasks: {tasks}}}\n"
     "axes:\n  variant: [preln, ldm]\n"
 )
-
-
-@pytest.fixture(autouse=True)
-def shared_cache(tmp_path_factory, monkeypatch):
-    """The tokenizer and token cache every test file shares (it is safe under concurrent use)."""
-    path = tmp_path_factory.getbasetemp().parent / "depthmem-cache"
-    monkeypatch.setenv("DEPTHMEM_CACHE", str(path))
-    return path
-
-
-@pytest.fixture(autouse=True)
-def quiet_stale_log_handlers(monkeypatch):
-    # Libraries attach log handlers to the stderr of the test that imported them; pytest closes that stream.
-    monkeypatch.setattr(logging, "raiseExceptions", False)
 
 
 def write(path: Path, text: str) -> Path:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import logging
 import os
 import random
 import shutil
@@ -31,6 +30,8 @@ from cli_checks import TRAIN_ARGS
 from harness import io as hio
 from harness.cli import main as cli_main
 
+pytestmark = pytest.mark.usefixtures("shared_cache", "quiet_stale_log_handlers")
+
 ROOT = Path(__file__).resolve().parent.parent
 GRID = textwrap.dedent("""\
     name: {name}
@@ -42,18 +43,6 @@ GRID = textwrap.dedent("""\
     axes:
       train.seed: [0, 1]
     """)
-
-
-@pytest.fixture(autouse=True)
-def shared_cache(tmp_path_factory, monkeypatch):
-    path = tmp_path_factory.getbasetemp().parent / "depthmem-cache"
-    monkeypatch.setenv("DEPTHMEM_CACHE", str(path))
-    return path
-
-
-@pytest.fixture(autouse=True)
-def quiet_stale_log_handlers(monkeypatch):
-    monkeypatch.setattr(logging, "raiseExceptions", False)
 
 
 def fails(capsys, argv: list[str], code: int = 2) -> str:

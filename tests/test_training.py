@@ -26,13 +26,7 @@ from harness.training.optim import divergence, lr_factor, param_groups
 from harness.training.runfiles import METRICS_COLUMNS
 from harness.training.trainer import train
 
-
-@pytest.fixture(autouse=True)
-def shared_cache(tmp_path_factory, monkeypatch):
-    """One tokenizer and token cache for every test worker (the cache is safe under concurrent use)."""
-    path = tmp_path_factory.getbasetemp().parent / "depthmem-cache"
-    monkeypatch.setenv("DEPTHMEM_CACHE", str(path))
-    return path
+pytestmark = pytest.mark.usefixtures("shared_cache")
 
 
 def tiny(steps: int, variant: str = "preln", **train) -> dict:
