@@ -132,19 +132,13 @@ def _locate(path: Path) -> tuple[Path, Path | None]:
         raise UsageError(f"{str(path)!r} is neither a run directory nor a checkpoint file.")
     for candidate in (path.parent.parent, path.parent):
         if (candidate / "config.json").is_file():
-            return path, candidate
-    return path, None
+            return usable_checkpoint(path), candidate
+    return usable_checkpoint(path), None
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict:
-    """The checkpoint dictionary (tensors on CPU), or a usage error when the file is truncated or corrupt or its bytes
-    are not the ones saved."""
-    if Path(path).is_file() and verify(path) is False:
-        raise UsageError(
-            f"The checkpoint {str(path)!r} does not match the checksum written when it was saved "
-            f"({checksum_path(Path(path)).name}): its bytes changed on disk after saving; use an earlier "
-            "checkpoint or train again."
-        )
+    """The checkpoint dictionary (tensors on CPU), or a usage error when the file is truncated or corrupt. Its bytes
+    are checked against their checksum by ``usable_checkpoint``, which chooses the file, not here again."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, PermissionError, IsADirectoryError):
