@@ -260,10 +260,15 @@ def test_a_hub_task_with_an_offline_twin_suggests_it(tmp_path, rng_seed, monkeyp
     # The hub refuses at once in offline mode, as it does on a node without the network.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    from harness.evaluation import evaluator
+
+    monkeypatch.setattr(evaluator, "_MANAGERS", {})  # lm-eval's task indexes this process has built
     run = make_run(tmp_path / "run", rng_seed)
     assert main(["eval", str(run), "--tasks", "arc_easy", "--limit", "2", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "offline_arc_easy" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # The check before the model loads and the evaluation share one index of lm-eval's stock tasks.
+    assert sum(stock for stock, _ in evaluator._MANAGERS) == 1
 
 
 @pytest.mark.slow

@@ -45,11 +45,11 @@ def run(args) -> int:
     from harness.evaluation.evaluator import check_device, check_options, check_tasks, evaluate, run_directory
     from harness.model.checkpoint import check_not_sweep
 
-    check_not_sweep(Path(args.path))
-    check_options(limit=args.limit, batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)
-    check_device(args.device)
-    tasks = check_tasks(args.tasks)
-    if args.dry_run:
+    if args.dry_run:  # the checks ``evaluate`` makes before it loads the model, and nothing else
+        check_not_sweep(Path(args.path))
+        check_options(limit=args.limit, batch_size=args.batch_size, bootstrap_iters=args.bootstrap_iters)
+        check_device(args.device)
+        tasks = check_tasks(args.tasks)
         out = args.out or str(run_directory(Path(args.path)) / "eval")
         print(
             json.dumps(
@@ -70,7 +70,7 @@ def run(args) -> int:
 
     results = evaluate(
         args.path,
-        tasks,
+        args.tasks,
         limit=args.limit,
         batch_size=args.batch_size,
         out_dir=args.out,
