@@ -16,9 +16,7 @@ is the head's read; every write and read of a ``d``-wide vector counts ``d``):
   too when the read adds the residual): ``Σ_r n_r·(G·d_k + d) = (G·d_k + d)·(L(L+1)/2 + e(L+1))`` for the writes,
   i.e. ``Σ_l l·(d_k + d_v)`` per group; each write stores its key (``G·d_k``), and the residual addition is PreLN's
   ``3dL`` when ``residual_write=on``. The RLS write whitens against every earlier whitened write, key and value,
-  once more ``Σ_j j·(G·d_k + d)``, and stores its whitened pair. With chunked reads (``mixer.chunk = C > 0``) a reader
-  reads the carried memory (``d·d_k`` floats) instead of the folded writes, and every fold reads ``C`` writes and
-  the old memory (none at the first fold) and writes the new memory.
+  once more ``Σ_j j·(G·d_k + d)``, and stores its whitened pair.
 - ``attnres``: reader ``r`` reads the embedding and all ``r`` earlier outputs and writes its input:
   ``Σ_r (r + 2)·d``; each output is stored once (``L·d``).
 - ``attnres-block`` (block size ``S``): reader ``r`` reads the embedding, the ``⌊r/S⌋`` completed block sums and the
@@ -94,26 +92,17 @@ def card_or_refuse(name: str) -> Card:
 def _ldm_reads(mixer) -> tuple[int, int]:
     """(residual floats, weighted floats) of LDM and LDM-RLS's dual form, forward, per token."""
     cfg, d, L = mixer.cfg, mixer.d_model, mixer.n_layers
-    if cfg.read == "residual":  # the memory is off: PreLN
+    if not mixer.uses_memory:  # read=residual: PreLN
         return 3 * d * L, 0
-    e = int(cfg.read == "memory")
+    e = int(mixer.embed_write)
     pair = mixer.G * mixer.dk + d  # a write's key and value
-    memory = d * mixer.dk  # the carried M, G blocks of d_v x d_k
-    chunk = getattr(mixer, "chunk", 0)
     per_reader_out = 2 * d if cfg.read == "residual+memory" else d
-    rls = cfg.write == "rls"
-    weighted = 0
-    for n in range(e, L + 1 + e):  # reader r holds n = r + e writes
-        folded = n - n % chunk if chunk else 0
-        weighted += (memory if folded else 0) + (n - folded) * pair + (per_reader_out if n else 0)
+    # Reader r holds n = r + e writes, reads them all and writes its input (reading x too when it adds it).
+    weighted = sum(n * pair + (per_reader_out if n else 0) for n in range(e, L + 1 + e))
     writes = L + e
-    weighted += writes * (pair if rls else mixer.G * mixer.dk)  # the stored key (RLS: the whitened pair)
-    for j in range(writes if rls else 0):  # the whitening against the j earlier writes, or the folded M and S
-        folded = j - j % chunk if chunk else 0
-        weighted += (memory + mixer.G * mixer.dk**2 if folded else 0) + (j - folded) * pair
-    folds = writes // chunk if chunk else 0
-    if folds:  # each fold reads its writes and writes M; all but the first read the old M too
-        weighted += folds * (memory + chunk * pair) + (folds - 1) * memory
+    weighted += writes * (pair if mixer.rls else mixer.G * mixer.dk)  # the stored key (RLS: the whitened pair)
+    if mixer.rls:  # the whitening of write j against the j earlier ones
+        weighted += sum(j * pair for j in range(writes))
     return (3 * d * L if cfg.residual_write else 0), weighted
 
 
