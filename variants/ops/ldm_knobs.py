@@ -86,6 +86,10 @@ def refuse_narrow_keys(mixer, d_model: int) -> None:
     )
 
 
+RLS_ONLY = {"lambda": "learned", "omega": True, "alpha": 1.0, "scalar_lr": 1.0}
+"""The knobs of the RLS write alone, with the value each must keep under ``write=outer``."""
+
+
 def check(cfg, reads: tuple[str, ...]) -> None:
     """Every knob of an LDM config in its allowed values, and the combinations that make a model: a
     ``ValueError`` of one sentence naming the allowed values otherwise (``reads``: the allowed ``read`` values)."""
@@ -111,15 +115,11 @@ def check(cfg, reads: tuple[str, ...]) -> None:
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ValueError(f"{key} must be a number > 0, got {value!r}")
     if cfg.write == "outer":
-        for key, value, default in (
-            ("lambda", lam, "learned"),
-            ("omega", cfg.omega, True),
-            ("alpha", cfg.alpha, 1.0),
-            ("scalar_lr", cfg.scalar_lr, 1.0),
-        ):
-            if value != default:
+        values = {"lambda": lam, "omega": cfg.omega, "alpha": cfg.alpha, "scalar_lr": cfg.scalar_lr}
+        for key, default in RLS_ONLY.items():
+            if values[key] != default:
                 raise ValueError(
                     f"{key} applies only to write=rls, so with write=outer it must stay "
-                    f"{format_value(default)}, got {key}={format_value(value)}"
+                    f"{format_value(default)}, got {key}={format_value(values[key])}"
                 )
     refuse_degenerate(cfg)

@@ -23,9 +23,6 @@ from harness.reporting.items import Context, NoData, figure
 from harness.reporting.results import Run, split_variant
 from harness.reporting.stats import compare
 
-RLS_ONLY = ("lambda", "omega", "alpha", "scalar_lr")
-"""The knobs of the RLS write alone (``variants/ops/ldm_knobs.py`` refuses them with ``write=outer``)."""
-
 KNOB_LABELS = {
     "write": "memory write",
     "read": "read",
@@ -87,6 +84,8 @@ def ablation_comparisons(ctx: Context) -> tuple[pd.DataFrame, str, str]:
         changed = {k: v for k, v in runs[0].knob_values.items() if str(v) != str(ref_knobs.get(k))}
         if "write" in changed:
             # One side writes outer products, for which λ, ω, α and their gain mean nothing: the write is the change.
+            from variants.ops.ldm_knobs import RLS_ONLY  # imported here: it loads torch
+
             changed = {k: v for k, v in changed.items() if k not in RLS_ONLY}
         if not changed:
             continue
