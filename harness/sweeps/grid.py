@@ -293,11 +293,7 @@ def check_tune(grid: Grid) -> None:
             "variant's value comes from the tuning stage, so drop it from one of them."
         )
     if grid.tune.variants:
-        ran = [str(v) for v in grid.axes.get("variant", [])] + [
-            str(e["variant"]) for e in grid.include if "variant" in e
-        ]
-        ran += [str(v) for g in grid.zips for v in g.get("variant", [])]
-        ran = ran or [str(grid.base.get("variant", "preln"))]
+        ran = grid_variants(grid)
         for v in grid.tune.variants:
             if not any(same_value(v, r) for r in ran):
                 raise UsageError(
