@@ -90,7 +90,8 @@ def test_sigkill_then_rerun_matches_an_uninterrupted_run(tmp_path, tmp_path_fact
 def test_metrics_log_appends_and_resumes_to_exactly_the_uninterrupted_rows(tmp_path):
     """Rows are appended, not rewritten; a resumed segment keeps exactly the rows up to its checkpoint step, even
     after a killed segment left later rows and a line cut short behind."""
-    from harness.training.runfiles import METRICS_COLUMNS, CsvLog, csv_text, read_metric_rows
+    from harness.rundir import read_metric_rows
+    from harness.training.runfiles import METRICS_COLUMNS, CsvLog, csv_text
 
     gen = torch.Generator().manual_seed(7)
     rows = [

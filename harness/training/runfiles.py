@@ -43,11 +43,6 @@ def csv_text(columns: list[str], rows: list[dict], header: bool = True) -> str:
     return buf.getvalue()
 
 
-def read_metric_rows(path: Path, up_to_step: int) -> list[dict]:
-    """Rows of an earlier segment of this run, up to the step it is resumed from."""
-    return rundir.read_metric_rows(path, up_to_step)
-
-
 class CsvLog:
     """A CSV file that grows by appended lines: cost per row independent of the run's length.
 
@@ -119,10 +114,10 @@ class RunFiles(pl.Callback):
     def __init__(self, cfg: RunConfig, run_dir: Path, ckpt_path: Path, resume_step: int, plain_logs: bool):
         self.cfg, self.run_dir, self.ckpt_path, self.plain_logs = cfg, run_dir, ckpt_path, plain_logs
         self.metrics_log = CsvLog(
-            run_dir / "metrics.csv", METRICS_COLUMNS, read_metric_rows(run_dir / "metrics.csv", resume_step)
+            run_dir / "metrics.csv", METRICS_COLUMNS, rundir.read_metric_rows(run_dir / "metrics.csv", resume_step)
         )
         self.layers_log = CsvLog(
-            run_dir / "layers.csv", LAYERS_COLUMNS, read_metric_rows(run_dir / "layers.csv", resume_step)
+            run_dir / "layers.csv", LAYERS_COLUMNS, rundir.read_metric_rows(run_dir / "layers.csv", resume_step)
         )
         self.metrics = self.metrics_log.rows
         # What the mixer learned (its forgetting factors, importance weights), one record per validation.
