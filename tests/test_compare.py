@@ -9,13 +9,13 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from cli_checks import fails
 from scipy import stats
 
 from harness.cli import main as cli_main
 from harness.errors import UsageError
 from harness.reporting.archive import pack
 from harness.reporting.compare import compare_sweeps
-from tests.cli_checks import fails
 
 TASK = "piqa"
 # (variant, lr, seeds) of each sweep: lr is a grid axis of both; attnres and lr=1e-3 only in A, hc only in B.

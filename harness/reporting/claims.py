@@ -5,8 +5,8 @@ is ``{variant: V, against: R}``, or ``{variants: [V1, V2], against: R}`` for sev
 ``R`` is a variant name, or one of the words ``matched`` (``preln(match=V)``, V's parameter-matched PreLN),
 ``base`` (V's registry variant at its defaults: ``ldm-rls`` for ``ldm-rls(groups=4)``) and ``baseline`` (the
 report's baseline). Holm's procedure runs within each family; a Δ outside every family gets its interval and no
-adjusted p. This module only parses and checks (it loads the variant registry, not pandas or torch), so the grid
-loader can refuse a bad declaration before anything runs.
+adjusted p. This module only parses and checks (it loads the variant registry, and so torch, but not pandas), so the
+grid loader can refuse a bad declaration before anything runs.
 """
 
 from __future__ import annotations
