@@ -84,6 +84,11 @@ def curves(sweep_root) -> tuple[list[Curve], dict[tuple[str, str], str]]:
     return out, borrowed
 
 
+def tuning_curves(ctx: Context) -> tuple[list[Curve], dict[tuple[str, str], str]]:
+    """``curves`` of the report's sweep, read once per report (three items and the claims use them)."""
+    return ctx.cached("tuning_curves", lambda: curves(ctx.sweep.root))
+
+
 def _finite(value) -> float | None:
     try:
         value = float(value)
@@ -122,7 +127,7 @@ def lr_sensitivity_table(ctx: Context) -> Table:
     """Tuning loss against learning rate per tuned variant: the mean ± the standard deviation over the tuning
     seeds at every rate tried, the chosen rate marked, and a flag where a neighbouring rate is within the standard
     error of the difference of the choice (the choice is then a near tie)."""
-    found, _ = curves(ctx.sweep.root)
+    found, _ = tuning_curves(ctx)
     data, display, flagged, one_seed = [], [], [], False
     for curve in found:
         row = {"setting": curve.setting, "variant": curve.variant, "chosen": curve.chosen}
@@ -196,7 +201,7 @@ def lr_neighbours_table(ctx: Context) -> Table:
     """Each headline Δ (the declared claims, else every tuned variant − the baseline) on the tuning split at the
     chosen rates and with both sides moved one step down or up the grid of rates, with a flag where its sign
     changes."""
-    found, borrowed = curves(ctx.sweep.root)
+    found, borrowed = tuning_curves(ctx)
     by_key = {(c.setting, c.variant): c for c in found}
     data, display = [], []
     for setting in sorted({c.setting for c in found} | {s for s, _ in borrowed}):
@@ -246,7 +251,7 @@ def lr_neighbours_table(ctx: Context) -> Table:
 def lr_sensitivity_figure(ctx: Context) -> tuple[Figure, str]:
     """Tuning loss against learning rate per tuned variant on a log axis: the mean over the tuning seeds with its
     95% t-interval, the chosen rate circled, one panel per setting."""
-    found, _ = curves(ctx.sweep.root)
+    found, _ = tuning_curves(ctx)
     settings = sorted({c.setting for c in found})
     with sns.axes_style("whitegrid"):
         fig, axes = figure_grid(len(settings), ncols=min(len(settings), 3), panel_size=(4.6, 3.4))
@@ -303,7 +308,7 @@ def lr_sensitivity_figure(ctx: Context) -> tuple[Figure, str]:
 def untuned_claims(ctx: Context) -> list[str]:
     """The variants a declared claim rests on that took another cell's rate instead of a tuning of their own."""
     try:
-        _, borrowed = curves(ctx.sweep.root)
+        _, borrowed = tuning_curves(ctx)
     except NoData:
         return []
     named = {name for c in ctx.claims or [] for name in (c.variant, c.against)}
