@@ -188,11 +188,15 @@ def _delta(a: Curve, b: Curve, by: int) -> tuple[float, str]:
     return ma - mb, f"{ma - mb:+.4f} ({va:g} vs {vb:g})"
 
 
+def _sign_changes(at: dict[int, float]) -> list[str]:
+    """The neighbours (``one step down``, ``one step up``) where the Δ has the other sign than at the chosen rates."""
+    return [word for by, word in ((-1, "one step down"), (1, "one step up")) if at[by] * at[0] < 0]
+
+
 def _sign_text(at: dict[int, float]) -> str:
-    chosen = at[0]
-    if math.isnan(chosen):
+    if math.isnan(at[0]):
         return "—"
-    changed = [word for by, word in ((-1, "one step down"), (1, "one step up")) if at[by] * chosen < 0]
+    changed = _sign_changes(at)
     return "⚠ changes " + " and ".join(changed) if changed else "kept"
 
 
@@ -223,7 +227,7 @@ def lr_neighbours_table(ctx: Context) -> Table:
                 for by in (-1, 0, 1):
                     at[by], cells[by] = _delta(a, b, by)
                 row |= {"delta_down": at[-1], "delta": at[0], "delta_up": at[1]}
-                row["sign_changes"] = _sign_text(at).startswith("⚠")
+                row["sign_changes"] = bool(_sign_changes(at))
                 shown |= {"Δ, one step down": cells[-1], "Δ at the chosen rates": cells[0], "Δ, one step up": cells[1]}
                 shown["Sign"] = _sign_text(at)
             data.append(row)
