@@ -32,12 +32,11 @@ from harness.config import build_config, model_preset
 from harness.errors import UsageError
 from harness.io import atomic_write_json
 from harness.model.factory import build_model
+from harness.model.roofline import card_named
 
-# bf16 dense peak of known cards, TFLOP/s (vendor data sheets; SXM parts where there are two).
-PEAK_BF16_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "A100": 312.0,
+# bf16 dense peak, TFLOP/s (vendor data sheets), of cards outside the roofline's table (harness.model.roofline.CARDS,
+# which has the A100, H100 and H200 with their bandwidth): enough to give a fraction of peak, not a floor.
+OTHER_PEAK_BF16_TFLOPS = {
     "L40S": 362.0,
     "A10G": 70.0,
     "L4": 121.0,
@@ -51,9 +50,13 @@ def card_peak_tflops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, peak in PEAK_BF16_TFLOPS.items():
+    card = card_named(name)
+    if card is not None:
+        return card.peak_tflops
+    # Longest names first: "L40S" before "L4".
+    for key in sorted(OTHER_PEAK_BF16_TFLOPS, key=len, reverse=True):
         if key in name:
-            return peak
+            return OTHER_PEAK_BF16_TFLOPS[key]
     return None
 
 
