@@ -182,9 +182,10 @@ def _report(out: Path, head: list[str], steps: list[Step], card: Card | None, de
     the step table."""
     import pandas as pd
 
-    table = _roofline_columns(_with_ratios([r for s in steps[:5] for r in _read_rows(s)]), card, shape)
+    # The timed rows come from the steps that planned variants; the micro batches from their own step.
+    table = _roofline_columns(_with_ratios([r for s in steps if s.planned for r in _read_rows(s)]), card, shape)
     table.insert(0, "card", device_name)
-    micro = pd.DataFrame(_read_rows(steps[5]))
+    micro = pd.DataFrame([r for s in steps if s.name == "micro batches" for r in _read_rows(s)])
     if card is not None and "tflops" in micro:
         micro["peak_fraction"] = micro.tflops / card.peak_tflops
     table.to_csv(out / "steps.csv", index=False)
