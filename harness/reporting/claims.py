@@ -44,12 +44,19 @@ def _canonical(name: Any, where: str) -> str:
         raise UsageError(f"{where}: {e}") from None
 
 
+def matched_preln(variant: str) -> str:
+    """The canonical name of ``variant``'s parameter-matched PreLN, ``preln(match=<variant>)``."""
+    import variants
+
+    return str(variants.spec(f"preln(match={variant})"))
+
+
 def reference_of(variant: str, against: str, baseline: str) -> str:
     """The canonical reference a comparison of ``variant`` names with ``against`` (a variant or a reference word)."""
     import variants
 
     if against == "matched":
-        return str(variants.spec(f"preln(match={variant})"))
+        return matched_preln(variant)
     if against == "base":
         return variants.spec(variant).name
     if against == "baseline":

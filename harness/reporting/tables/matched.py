@@ -3,18 +3,12 @@ the parameters it adds."""
 
 from __future__ import annotations
 
+from harness.reporting.claims import matched_preln
 from harness.reporting.items import Context, NoData, table
 from harness.reporting.render import Table
 from harness.reporting.tables.common import group_runs, one_seed_note, with_axes
 from harness.reporting.tables.comparisons import comparison_notes, comparison_rows
 from harness.reporting.tables.families import declared
-
-
-def matched_of(variant: str) -> str:
-    """The canonical name of ``variant``'s parameter-matched PreLN, ``preln(match=<variant>)``."""
-    import variants
-
-    return str(variants.spec(f"preln(match={variant})"))
 
 
 def matched_keys(groups: dict) -> list[tuple[str, str]]:
@@ -24,7 +18,7 @@ def matched_keys(groups: dict) -> list[tuple[str, str]]:
         if groups[(setting, variant)][0].base == "preln":
             continue
         try:
-            reference = matched_of(variant)
+            reference = matched_preln(variant)
         except Exception:  # a name this checkout's registry does not know has no matched PreLN here
             continue
         if (setting, reference) in groups:
@@ -41,7 +35,7 @@ def matched_table(ctx: Context) -> Table:
     keys = matched_keys(groups)
     if not keys:
         raise NoData("no variant ran beside its matched PreLN, preln(match=<variant>)")
-    data, display, used = comparison_rows(groups, keys, matched_of, with_ppl=False, tests=declared(ctx))
+    data, display, used = comparison_rows(groups, keys, matched_preln, with_ppl=False, tests=declared(ctx))
     display = [
         {"Setting": shown["Setting"], "Variant": shown["Variant"], "Matched PreLN": row["reference"]}
         | {k: v for k, v in shown.items() if k not in ("Setting", "Variant", "Knobs")}
