@@ -26,7 +26,7 @@ from harness.reporting.axes import axis_column_names
 from harness.reporting.render import fmt_delta, fmt_p
 from harness.reporting.results import Run, Sweep, load_sweep
 from harness.reporting.stats import compare, holm
-from harness.reporting.tables.comparisons import choose_metric
+from harness.reporting.tables.comparisons import chosen_metrics
 from variants.registry import format_value
 
 VAL_LOSS, DOWNSTREAM = "val_loss", "downstream"
@@ -72,7 +72,8 @@ def compare_sweeps(a: str | Path | Sweep, b: str | Path | Sweep) -> pd.DataFrame
             f"({', '.join(['variant', *columns]) or 'variant'}) in both."
         )
     tables = [loss]
-    metrics = _chosen_metrics(sweeps)
+    chosen = chosen_metrics(r for sweep in sweeps for r in sweep.finished())
+    metrics = {task: metric for task, metric in chosen.items() if metric}
     for task, metric in metrics.items():
         cells = [_cells(s, keys, lambda run, t=task, m=metric: _score(run, t, m)) for s in sweeps]
         if all(cells):
@@ -99,18 +100,6 @@ def _score(run: Run, task: str, metric: str) -> float | None:
     values = table.loc[(table["task"].astype(str) == task) & (table["metric"].astype(str) == metric), "value"]
     values = pd.to_numeric(values, errors="coerce").dropna()
     return float(values.iloc[-1]) if len(values) else None
-
-
-def _chosen_metrics(sweeps: list[Sweep]) -> dict[str, str]:
-    """Task -> the accuracy metric both sweeps are compared on: one choice over both, so the two sides agree."""
-    reported: dict[str, set[str]] = defaultdict(set)
-    for sweep in sweeps:
-        for run in sweep.finished():
-            if run.eval is not None and {"task", "metric"} <= set(run.eval):
-                for task, metric in zip(run.eval["task"].astype(str), run.eval["metric"].astype(str)):
-                    reported[task].add(metric)
-    chosen = {task: choose_metric(metrics) for task, metrics in sorted(reported.items())}
-    return {task: metric for task, metric in chosen.items() if metric}
 
 
 def _axis_value(value: Any) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pandas as pd
@@ -241,14 +241,21 @@ def choose_metric(metrics: set[str]) -> str | None:
     return "acc_norm" if "acc_norm" in metrics else "acc" if "acc" in metrics else None
 
 
+def chosen_metrics(runs: Iterable[Run]) -> dict[str, str | None]:
+    """Task -> the accuracy metric ``choose_metric`` takes from what the evaluated ``runs`` report (None for a task
+    with neither), one choice over all of them, so that runs compared on a task are compared on the same metric."""
+    reported: dict[str, set[str]] = defaultdict(set)
+    for run in runs:
+        if run.eval is not None and {"task", "metric"} <= set(run.eval):
+            for task, metric in zip(run.eval["task"].astype(str), run.eval["metric"].astype(str)):
+                reported[task].add(metric)
+    return {task: choose_metric(metrics) for task, metrics in sorted(reported.items())}
+
+
 def downstream_scores(sweep: Sweep) -> tuple[pd.DataFrame, dict[str, str]]:
     """One row per finished run × task with the chosen metric's value and lm-eval's stderr, and the metric chosen."""
     finished = [r for r in sweep.finished() if r.eval is not None and {"task", "metric", "value"} <= set(r.eval)]
-    reported: dict[str, set[str]] = defaultdict(set)
-    for run in finished:
-        for task, metric in zip(run.eval["task"].astype(str), run.eval["metric"].astype(str)):
-            reported[task].add(metric)
-    chosen = {t: choose_metric(m) for t, m in sorted(reported.items())}
+    chosen = chosen_metrics(finished)
     rows = []
     for run in finished:
         stderr = run.eval["stderr"] if "stderr" in run.eval else [math.nan] * len(run.eval)
