@@ -23,11 +23,10 @@ import pandas as pd
 
 from harness.errors import UsageError
 from harness.reporting.axes import axis_column_names
-from harness.reporting.render import fmt_delta, fmt_p
-from harness.reporting.results import Run, Sweep, load_sweep
+from harness.reporting.render import fmt_delta, fmt_p, frame_markdown
+from harness.reporting.results import Run, Sweep, load_sweep, typed_values
 from harness.reporting.stats import compare, holm
 from harness.reporting.tables.comparisons import chosen_metrics
-from variants.registry import format_value
 
 VAL_LOSS, DOWNSTREAM = "val_loss", "downstream"
 BOTH, ONLY_A, ONLY_B = "both", "A only", "B only"
@@ -155,9 +154,7 @@ def _with_axes(frame: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
     values = [[json.loads(v) for v in axes] for axes in frame["_axes"]]
     head = frame[["table", "task", "variant"]].copy()
     for i, name in enumerate(columns):
-        column = [row[i] for row in values]
-        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in column)
-        head[name] = column if numeric else [format_value(v) if v is not None else "" for v in column]
+        head[name] = typed_values(pd.Series([row[i] for row in values], dtype=object)).to_numpy()
     out = pd.concat([head, frame.drop(columns=["table", "task", "variant", "_axes"])], axis=1)
     for col in ("seeds_a", "seeds_b", "pairs"):
         out[col] = out[col].astype("int64")
@@ -186,7 +183,7 @@ def to_markdown(frame: pd.DataFrame, a: str, b: str) -> str:
         shown["method"] = rows["method"]
         shown["pairs"] = rows["pairs"].astype(str)
         shown["p (Holm)"] = [fmt_p(p) for p in rows["p_holm"]]
-        parts.append(f"## {title}\n\n" + shown.astype(str).to_markdown(index=False, disable_numparse=True))
+        parts.append(f"## {title}\n\n" + frame_markdown(shown.astype(str)))
     parts.append(
         "A and B: the mean over each sweep's finished runs (its seeds in parentheses). Δ: the mean of the per-seed "
         "differences on the seeds both sweeps have, with its paired t-interval (Welch's where fewer than two "

@@ -82,11 +82,16 @@ def _md_cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
-def to_markdown(table: Table) -> str:
-    """The table as GitHub-flavoured Markdown (pipes escaped inside cells)."""
-    frame = table.display.map(_md_cell)
+def frame_markdown(display: pd.DataFrame) -> str:
+    """A frame of display text as GitHub-flavoured Markdown (pipes and newlines escaped inside cells)."""
+    frame = display.map(_md_cell)
     frame.columns = [_md_cell(c) for c in frame.columns]
     return frame.to_markdown(index=False, disable_numparse=True)
+
+
+def to_markdown(table: Table) -> str:
+    """The table as GitHub-flavoured Markdown (pipes escaped inside cells)."""
+    return frame_markdown(table.display)
 
 
 _LATEX_SYMBOLS = {"±": r"$\pm$", "×": r"$\times$", "Δ": r"$\Delta$", "−": "$-$", "—": "--", "–": "--"}

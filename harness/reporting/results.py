@@ -334,7 +334,7 @@ def _missing(v: Any) -> bool:
     return v is None or v == "" or (isinstance(v, float) and math.isnan(v))
 
 
-def _typed(values: pd.Series) -> pd.Series:
+def typed_values(values: pd.Series) -> pd.Series:
     """Integers, floats or booleans where every present value is one (texts such as ``16`` included), else text."""
     present = [v for v in values if not _missing(v)]
     if present and all(isinstance(v, bool) for v in present):
@@ -355,7 +355,7 @@ def typed_columns(frame: pd.DataFrame, sweep: Sweep) -> pd.DataFrame:
     frame = frame.copy()
     for col in [*(f"knob_{k}" for k in sweep.knob_names), *sweep.axis_keys]:
         if col in frame:
-            frame[col] = _typed(frame[col])
+            frame[col] = typed_values(frame[col])
     for col in ("train_tokens", "train_steps"):
         if col in frame:
             frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
