@@ -60,8 +60,13 @@ class ReportSpec:
     """The primary family: the comparisons the grid's verdicts rest on (``harness.reporting.claims``)."""
     secondary: dict | None = None
     """Secondary families by name, each a list of comparisons."""
-    claims: list | None = field(default=None, repr=False)
-    """Every declared comparison, parsed from ``primary`` and ``secondary``; None when the grid declares none."""
+
+    @property
+    def claims(self) -> list | None:
+        """Every declared comparison, parsed from ``primary`` and ``secondary`` (checked when ``report_spec`` built
+        the spec); None when the grid declares none."""
+        declared = {k: v for k, v in (("primary", self.primary), ("secondary", self.secondary)) if v is not None}
+        return parse_claims({**declared, "baseline": self.baseline}, "the report section") if declared else None
 
 
 def _names(value: Any, allowed: tuple[str, ...], key: str, source: str) -> list[str]:
@@ -89,9 +94,9 @@ def report_spec(section: dict[str, Any] | ReportSpec | None, source: str = "the 
     if not isinstance(section, dict):
         raise UsageError(
             f"The report section of {source} must be a mapping with keys "
-            f"{', '.join(f.name for f in fields(ReportSpec) if f.name != 'claims')}."
+            f"{', '.join(f.name for f in fields(ReportSpec))}."
         )
-    known = [f.name for f in fields(ReportSpec) if f.name != "claims"]
+    known = [f.name for f in fields(ReportSpec)]
     for key in section:
         if key not in known:
             raise UsageError(
@@ -101,6 +106,7 @@ def report_spec(section: dict[str, Any] | ReportSpec | None, source: str = "the 
     for key in ("sweep", "title", "summary", "baseline", "ablation_reference", "bench"):
         if key in section and section[key] is not None and not isinstance(section[key], str):
             raise UsageError(f"report.{key} in {source} must be a string.")
+    parse_claims(section, source)  # refuses a bad declaration here, naming the file
     return ReportSpec(
         sweep=section.get("sweep"),
         title=section.get("title"),
@@ -112,7 +118,6 @@ def report_spec(section: dict[str, Any] | ReportSpec | None, source: str = "the 
         bench=section.get("bench"),
         primary=section.get("primary"),
         secondary=section.get("secondary"),
-        claims=parse_claims(section, source),
     )
 
 
