@@ -18,7 +18,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from harness.reporting.figures.common import dodged, figure_grid, shared_legend
+from harness.reporting.figures.common import dodged, dodged_errorbar, figure_grid, shared_legend
 from harness.reporting.items import Context, NoData, figure, table
 from harness.reporting.results import split_variant
 from harness.reporting.stats import mean_ci
@@ -269,33 +269,12 @@ def lr_sensitivity_figure(ctx: Context) -> tuple[Figure, str]:
                 points = [(v, m, h) for v, m, h in points if math.isfinite(curve.mean(v))]
                 if not points:
                     continue
-                x, y, half = (np.array(col, dtype=np.float64) for col in zip(*points))
+                x, y, half = zip(*points)
                 colour = ctx.colours.get(variant)
-                ax.errorbar(
-                    x,
-                    y,
-                    yerr=np.nan_to_num(half),
-                    marker="o",
-                    ms=4,
-                    capsize=3,
-                    color=colour,
-                    label=variant,
-                    transform=transform,
-                )
+                dodged_errorbar(ax, transform, x, y, half, marker="o", ms=4, capsize=3, color=colour, label=variant)
                 if curve.chosen is not None and math.isfinite(curve.mean(curve.chosen)):
-                    ax.plot(
-                        [curve.chosen],
-                        [curve.mean(curve.chosen)],
-                        "o",
-                        ms=11,
-                        mfc="none",
-                        color=colour,
-                        transform=transform,
-                    )
-                # Artists drawn with a shifted transform do not widen the data limits themselves.
-                ax.update_datalim(
-                    np.column_stack([np.r_[x, x], np.r_[y - np.nan_to_num(half), y + np.nan_to_num(half)]])
-                )
+                    chosen = [curve.chosen], [curve.mean(curve.chosen)]
+                    ax.plot(*chosen, "o", ms=11, mfc="none", color=colour, transform=transform)
             ax.autoscale_view()
             rates = sorted({v for c in mine.values() for v in c.values})
             ax.set_xticks(rates, labels=[f"{v:g}" for v in rates])

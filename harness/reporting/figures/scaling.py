@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
 from harness.reporting import frontier as fr
-from harness.reporting.figures.common import dodged, figure_grid, finish, shared_legend
+from harness.reporting.figures.common import dodged, dodged_errorbar, figure_grid, finish, shared_legend
 from harness.reporting.items import Context, NoData, figure
 from harness.reporting.results import Run, Sweep
 from harness.reporting.stats import mean_ci
@@ -82,15 +80,9 @@ def _lines_with_intervals(ax, frame: pd.DataFrame, colours: dict[str, str], base
     for variant, transform in zip(order, dodged(ax, len(order))):
         sub = frame[frame["variant"] == variant]
         stats_rows = [(x, *mean_ci(g["loss"])) for x, g in sub.groupby("x")]
-        xs = [r[0] for r in stats_rows]
-        means = [r[1] for r in stats_rows]
-        halves = [0.0 if math.isnan(r[2]) else r[2] for r in stats_rows]
+        xs, means, halves = zip(*((r[0], r[1], r[2]) for r in stats_rows))
         colour = colours.get(variant, "black")
-        ax.errorbar(xs, means, yerr=halves, marker="o", capsize=3, color=colour, label=variant, transform=transform)
-        # Artists drawn with a shifted transform do not widen the data limits themselves.
-        ax.update_datalim(
-            np.column_stack([xs + xs, np.subtract(means, halves).tolist() + np.add(means, halves).tolist()])
-        )
+        dodged_errorbar(ax, transform, xs, means, halves, marker="o", capsize=3, color=colour, label=variant)
     ax.autoscale_view()
 
 
