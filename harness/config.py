@@ -378,12 +378,13 @@ class _Unsure(Exception):
     """The fast path cannot vouch for this config; ``build_config`` decides (and words any error)."""
 
 
-def _flat(layer: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_keys(layer: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1e-3}}`` as ``{"train.lr": 1e-3}``; an empty mapping adds no key."""
     out: dict[str, Any] = {}
     for key, value in layer.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            out.update(_flat(value, name + "."))
+            out.update(flat_keys(value, name + "."))
         elif isinstance(value, dict):
             continue  # an empty mapping changes nothing in a merge
         else:
@@ -407,7 +408,7 @@ class ConfigBuilder:
         self.source = source
         self.flat: dict[str, Any] = {}
         for layer in self.layers:
-            self.flat.update(_flat(layer))
+            self.flat.update(flat_keys(layer))
         self._typed: dict[tuple, Any] = {}
         self._hints = {name: typing.get_type_hints(cls) for name, cls in _SECTIONS.items()}
         self._hints[""] = {"name": str, "variant": str}
@@ -415,7 +416,7 @@ class ConfigBuilder:
     def build(self, *layers: dict[str, Any], source: str | None = None) -> RunConfig:
         flat = dict(self.flat)
         for layer in layers:
-            flat.update(_flat(layer or {}))
+            flat.update(flat_keys(layer or {}))
         try:
             return self._fast(flat)
         except _Unsure:

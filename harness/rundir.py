@@ -31,7 +31,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from harness.config import RunConfig, build_config
+from harness.config import RunConfig, build_config, flat_keys
 from harness.errors import UsageError
 from harness.io import DamagedFile, atomic_write_json, read_json
 
@@ -109,6 +109,29 @@ def config_hash(cfg: RunConfig, *, with_seed: bool = False) -> str:
     """A short hash of the run's identity (the seed optional): equal for configs that train the same model."""
     blob = json.dumps(identity(cfg, with_seed=with_seed), sort_keys=True, default=str).encode()
     return hashlib.sha1(blob).hexdigest()[:8]
+
+
+SHOWN_DIFFERENCES = 3
+"""Most differing keys named when a run directory holds another run; the rest are counted."""
+
+
+def check_same_run(run_dir: Path, cfg: RunConfig) -> None:
+    """Refuse a run directory that holds a run of another model (its identity, the seed included, differs), naming
+    the keys that differ."""
+    if not (Path(run_dir) / "config.json").is_file():
+        return
+    old = flat_keys(identity(read_config(run_dir)))
+    new = flat_keys(identity(cfg))
+    keys = [k for k in dict.fromkeys([*new, *old]) if old.get(k, "(unset)") != new.get(k, "(unset)")]
+    if not keys:
+        return
+    shown = "; ".join(f"{k}: {old.get(k, '(unset)')} → {new.get(k, '(unset)')}" for k in keys[:SHOWN_DIFFERENCES])
+    more = f"; and {len(keys) - SHOWN_DIFFERENCES} more" if len(keys) > SHOWN_DIFFERENCES else ""
+    raise UsageError(
+        f"{run_dir} holds a run with a different config ({shown}{more}); give this run another --out directory, or "
+        f"start from the run's own settings (--config {Path(run_dir) / 'config.json'}) to change only its logger, "
+        "evaluation or intervals."
+    )
 
 
 # Short labels of common axes in run ids; any other key is labelled by its last part.

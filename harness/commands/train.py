@@ -103,40 +103,6 @@ def resolve(args):
     return build_config(*layers, source=args.config or "command line")
 
 
-SHOWN_DIFFERENCES = 3
-"""Most differing keys named when --out holds another run; the rest are counted."""
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def check_same_run(out, cfg) -> None:
-    """Refuse an --out that holds a run of another model, before anything loads, naming the keys that differ."""
-    from harness import rundir
-
-    if not (out / "config.json").is_file():
-        return
-    old = _flat(rundir.identity(rundir.read_config(out)))
-    new = _flat(rundir.identity(cfg))
-    keys = [k for k in dict.fromkeys([*new, *old]) if old.get(k, "(unset)") != new.get(k, "(unset)")]
-    if not keys:
-        return
-    shown = "; ".join(f"{k}: {old.get(k, '(unset)')} → {new.get(k, '(unset)')}" for k in keys[:SHOWN_DIFFERENCES])
-    more = f"; and {len(keys) - SHOWN_DIFFERENCES} more" if len(keys) > SHOWN_DIFFERENCES else ""
-    raise UsageError(
-        f"{out} holds a run with a different config ({shown}{more}); give this run another --out directory, or "
-        f"start from the run's own settings (--config {out / 'config.json'}) to change only its logger, "
-        "evaluation or intervals."
-    )
-
-
 def run(args) -> int:
     cfg = resolve(args)  # its variant parsed and checked against the model's size, once
     problems = preflight.here(cfg)
@@ -146,6 +112,8 @@ def run(args) -> int:
         from harness.evaluation.evaluator import check_tasks
 
         check_tasks(cfg.eval.tasks)
+    from harness.rundir import check_same_run
+
     check_same_run(Path(args.out), cfg)
     if args.dry_run:
         print(json.dumps(cfg.to_dict(), indent=2))

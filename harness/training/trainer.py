@@ -273,9 +273,7 @@ def _check_shapes(cfg: RunConfig) -> int:
 
 def _already_done(cfg: RunConfig, run_dir: Path, status: dict, resume: bool, rank0: bool) -> bool:
     """Whether ``run_dir`` holds this very run, finished; refuses a folder that holds another run."""
-    earlier = rundir.read_config(run_dir) if (run_dir / "config.json").exists() else None
-    if earlier is not None and rundir.config_hash(earlier, with_seed=True) != rundir.config_hash(cfg, with_seed=True):
-        raise UsageError(f"{run_dir} holds a run with a different config; give this run another --out directory.")
+    rundir.check_same_run(run_dir, cfg)
     if resume and status.get("state") == "done" and (run_dir / "summary.json").exists():
         if rank0:
             print(f"depthmem: {run_dir} is already done (step {status.get('step')}); nothing to train.", flush=True)
