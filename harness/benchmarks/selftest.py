@@ -149,7 +149,7 @@ def measure_speed(
 ) -> dict[str, Any]:
     """Tokens/s of training steps (forward, loss, backward; no optimizer) and the FLOP/s they reach; with
     ``compiled``, of the model under ``torch.compile(fullgraph=True)``, its first steps (the compile) untimed."""
-    from harness.model.costs import preln_flops_per_token
+    from harness.model.costs import mixer_flops_per_token, preln_flops_per_token
 
     cfg = model_preset(preset, max_seq_len=max(seq_len, model_preset(preset).max_seq_len))
     torch.manual_seed(0)
@@ -168,11 +168,7 @@ def measure_speed(
         times.append(time.perf_counter() - start)
     sec = statistics.median(times)
     tokens_per_s = batch * seq_len / sec
-    try:
-        extra = model.mixer.extra_flops_per_token()
-    except NotImplementedError:
-        extra = 0
-    flops = 3 * (preln_flops_per_token(cfg, seq_len) + extra) * tokens_per_s
+    flops = 3 * (preln_flops_per_token(cfg, seq_len) + mixer_flops_per_token(model.mixer)) * tokens_per_s
     mem = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     del model, step
     if device.type == "cuda":

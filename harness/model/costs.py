@@ -36,6 +36,14 @@ def preln_flops_per_token(model: ModelConfig, seq_len: int | None = None) -> int
     return 2 * matmuls + model.n_blocks * 4 * T * d
 
 
+def mixer_flops_per_token(mixer) -> int:
+    """The mixer's forward FLOPs per token over PreLN (``extra_flops_per_token``); 0 without a cost model."""
+    try:
+        return int(mixer.extra_flops_per_token())
+    except NotImplementedError:
+        return 0
+
+
 def matched_width_cost(model: ModelConfig, mixer) -> tuple[int, int]:
     """Parameters and forward FLOPs per token that a parameter-matched model (``preln(match=...)``) adds over PreLN
     by widening its MLPs: ``3 d`` parameters and ``6 d`` FLOPs per extra hidden unit and block; (0, 0) otherwise."""

@@ -163,7 +163,7 @@ def variant_costs(spec, model, seq_len: int | None = None, dtype: str = "float32
     import torch
 
     import variants
-    from harness.model.costs import matched_width_cost, preln_flops_per_token
+    from harness.model.costs import matched_width_cost, mixer_flops_per_token, preln_flops_per_token
 
     if dtype not in BYTES_PER_FLOAT:
         raise UsageError(f"Unknown dtype {dtype!r} for the roofline; allowed: {', '.join(BYTES_PER_FLOAT)}.")
@@ -171,10 +171,7 @@ def variant_costs(spec, model, seq_len: int | None = None, dtype: str = "float32
     with torch.device("meta"):  # shapes only, no storage
         mixer = variants.build(parsed, d_model=model.d_model, n_layers=model.n_layers)
     residual, weighted = depth_floats(parsed.name, mixer)
-    try:
-        extra = int(mixer.extra_flops_per_token())
-    except NotImplementedError:
-        extra = 0
+    extra = mixer_flops_per_token(mixer)
     trunk = preln_flops_per_token(model, seq_len) + matched_width_cost(model, mixer)[1]
     return Costs(trunk, extra, residual, weighted, BYTES_PER_FLOAT[dtype])
 

@@ -27,13 +27,11 @@ def _model_counts(cfg: RunConfig) -> tuple[int, int, ModelConfig]:
     """Parameters, forward depth-mixing FLOPs per token and the decoder's own size of the run's model, built on
     the meta device. The size is the built decoder's: ``preln(match=...)`` widens its MLPs, and they cost FLOPs."""
 
+    from harness.model.costs import mixer_flops_per_token
+
     with torch.device("meta"):  # shapes without storage: even the largest preset allocates nothing
         model = build_model(cfg.model, cfg.variant)
-    try:
-        extra = int(model.mixer.extra_flops_per_token())
-    except NotImplementedError:
-        extra = 0
-    return model.num_params(), extra, model.cfg
+    return model.num_params(), mixer_flops_per_token(model.mixer), model.cfg
 
 
 def run_cost(cfg: RunConfig, *, peak_tflops: float, utilisation: float, _cache: dict | None = None) -> dict[str, Any]:
