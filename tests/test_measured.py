@@ -17,14 +17,17 @@ def bench_csv(tmp_path, rng_seed):
     import random
 
     rates = random.Random(rng_seed)
+    card, tiny = "NVIDIA H100 80GB HBM3", {"d_model": 64, "seq_len": 64}  # the runs' width and context below
     rows = [
-        {"card": "NVIDIA H100 80GB HBM3", "depth": depth, "mode": mode, "variant": name, "model_tflops": tflops}
+        {"card": card, "depth": depth, "mode": mode, "variant": name, "model_tflops": tflops, **tiny}
         for depth in (4, 8)
         for name in ("preln", "ldm")
         for mode, tflops in (("compiled", rates.uniform(50, 400)), ("eager", rates.uniform(10, 50)))
     ]
-    unmeasured = {"depth": 4, "mode": "compiled", "variant": "hc", "model_tflops": None}
-    rows.append({"card": "NVIDIA H100 80GB HBM3", **unmeasured})
+    rows.append({"card": card, "depth": 4, "mode": "compiled", "variant": "hc", "model_tflops": None, **tiny})
+    # attnres was timed at another width only: its rate does not hold for these runs.
+    wide = {"d_model": 768, "seq_len": 1024}
+    rows.append({"card": card, "depth": 4, "mode": "compiled", "variant": "attnres", "model_tflops": 300.0, **wide})
     # Where `make gpu-bench --out r/gpu-bench` leaves it, in the results folder the dry run below plans in.
     path = tmp_path / "r" / "gpu-bench" / "steps.csv"
     path.parent.mkdir(parents=True)
@@ -47,7 +50,7 @@ def test_measured_variants_use_the_rate_of_the_nearest_depth(bench_csv):
     for cost, (name, depth) in zip(costs[:2], [("preln", 4), ("ldm", 8)]):
         assert cost["gpu_hours"] == pytest.approx(cost["train_flops"] / (compiled[name, depth] * 1e12) / 3600)
         assert cost["gpu_hours_basis"] == "measured on NVIDIA H100 80GB HBM3"
-    for cfg, cost in zip(configs[2:], costs[2:]):  # hc's row holds no measurement, attnres has none
+    for cfg, cost in zip(configs[2:], costs[2:]):  # hc's row holds no measurement, attnres none at this width
         assumed = run_cost(cfg, peak_tflops=989, utilisation=0.4)
         assert cost["gpu_hours_basis"] == "assumed" and cost["gpu_hours"] == assumed["gpu_hours"]
     note = measured.basis_note(costs, 0.4, 989)

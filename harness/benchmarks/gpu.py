@@ -149,6 +149,7 @@ def _roofline_columns(frame, card: Card | None, shape: tuple[str, int, int]):
     for depth, name in set(zip(frame.depth, frame.variant)):
         model = model_config(preset, Shape(int(depth), PRESETS[preset]["d_model"], seq))
         costs[depth, name] = (variant_costs(name, model, seq), variant_costs("preln", model, seq))
+    frame["d_model"], frame["seq_len"] = PRESETS[preset]["d_model"], seq  # the shape the rates hold for
     frame["tokens_per_s"] = batch * seq / (frame.ms / 1e3)
     frame["model_tflops"] = [
         costs[k][0].flops(True) * t / 1e12 for k, t in zip(zip(frame.depth, frame.variant), frame.tokens_per_s)
