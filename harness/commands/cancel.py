@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.commands import add_results_option
 from harness.io import read_json
 from harness.sweeps.jobstate import cancel, resolve_sweep_dir
 
@@ -15,13 +16,7 @@ def add_parser(sub):
         "`depthmem sweep FILE` later resumes them from their checkpoints.",
     )
     p.add_argument("sweep", metavar="SWEEP", help="sweep name (results/<name>) or grid file")
-    p.add_argument(
-        "--results",
-        "--results-dir",
-        dest="results",
-        metavar="DIR",
-        help="results root (default: $DEPTHMEM_RESULTS or ./results)",
-    )
+    add_results_option(p)
     return p
 
 

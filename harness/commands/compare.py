@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+from harness.commands import add_results_option
 from harness.errors import UsageError
 
 
@@ -22,13 +23,7 @@ def add_parser(sub):
     )
     p.add_argument("sweep_a", metavar="SWEEP_A", help="the reference sweep: a name under results/, folder or archive")
     p.add_argument("sweep_b", metavar="SWEEP_B", help="the sweep compared with it (the difference is B - A)")
-    p.add_argument(
-        "--results",
-        "--results-dir",
-        dest="results_dir",
-        metavar="DIR",
-        help="folder holding sweeps by name (default: $DEPTHMEM_RESULTS, else results)",
-    )
+    add_results_option(p)
     p.add_argument("--json", action="store_true", help="print the rows as JSON (numbers typed, null for none)")
     p.add_argument("--out", metavar="FILE.csv", help="also write the rows to this CSV file")
     return p
@@ -42,8 +37,8 @@ def run(args) -> int:
 
     if args.out is not None and not args.out.endswith(".csv"):
         raise UsageError(f"--out takes a file name ending in .csv, got {args.out!r}.")
-    a, _ = resolve_target(args.sweep_a, args.results_dir)
-    b, _ = resolve_target(args.sweep_b, args.results_dir)
+    a, _ = resolve_target(args.sweep_a, args.results)
+    b, _ = resolve_target(args.sweep_b, args.results)
     frame = compare_sweeps(a, b)
     if args.out is not None:
         atomic_write_text(args.out, frame.to_csv(index=False))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from harness.commands import add_results_option
+
 
 def add_parser(sub):
     p = sub.add_parser(
@@ -22,13 +24,7 @@ def add_parser(sub):
         "--out", metavar="DIR", help="where to write the report (default: the sweep folder; needed for an archive)"
     )
     p.add_argument("--bench", metavar="CSV", help="benchmark CSV from `depthmem bench` (default: SWEEP/bench.csv)")
-    p.add_argument(
-        "--results",
-        "--results-dir",
-        dest="results_dir",
-        metavar="DIR",
-        help="folder holding sweeps by name (default: $DEPTHMEM_RESULTS, else results)",
-    )
+    add_results_option(p)
     p.add_argument(
         "--figure",
         metavar="NAME",
@@ -44,7 +40,7 @@ def run(args) -> int:
     # Imported here, not at the top, so the CLI starts without loading torch, pandas or lm-eval.
     from harness.reporting.report import redraw_figure, report, report_folder, resolve_target
 
-    sweep_dir, spec = resolve_target(args.sweep, args.results_dir)
+    sweep_dir, spec = resolve_target(args.sweep, args.results)
     if args.dry_run:
         plan = {
             "sweep_dir": str(sweep_dir),

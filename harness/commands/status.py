@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from harness.commands import add_results_option
 from harness.errors import UsageError
 from harness.sweeps.jobstate import axis_columns, format_rows, sweep_status
 from harness.units import duration
@@ -23,13 +24,7 @@ def add_parser(sub):
         "(from status.json and the scheduler).",
     )
     p.add_argument("sweep", metavar="SWEEP", help="sweep name (results/<name>) or grid file")
-    p.add_argument(
-        "--results",
-        "--results-dir",
-        dest="results",
-        metavar="DIR",
-        help="results root (default: $DEPTHMEM_RESULTS or ./results)",
-    )
+    add_results_option(p)
     p.add_argument("--json", action="store_true", help="print machine-readable JSON (grid values typed)")
     p.add_argument(
         "--watch",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.commands import add_results_option
 from harness.commands.train import check_overrides
 from harness.errors import UsageError
 from harness.sweeps.announce import describe_plan
@@ -84,13 +85,7 @@ def add_parser(sub):
     wait.add_argument(
         "--no-wait", dest="wait", action="store_false", help="return once submitted (the default with --executor slurm)"
     )
-    p.add_argument(
-        "--results",
-        "--results-dir",
-        dest="results",
-        metavar="DIR",
-        help="results root (default: $DEPTHMEM_RESULTS or ./results)",
-    )
+    add_results_option(p)
     return p
 
 
