@@ -134,3 +134,37 @@ def test_watch_needs_a_positive_interval(tmp_path, seconds):
         env={**os.environ},
     )
     assert done.returncode == 2 and done.stderr.strip().startswith("depthmem: --watch takes a positive number")
+
+
+def test_a_waited_sweep_ends_with_downstream_scores_and_counts(tmp_path):
+    from harness.sweeps.announce import closing_table
+    from harness.sweeps.jobstate import sweep_status
+
+    sweep = make_sweep(tmp_path, runs=10)
+    done = [p for p in sorted(sweep.iterdir()) if (p / "summary.json").exists()]
+    # acc_norm where a task reports it (piqa), else acc (copa), as the report chooses
+    for i, run_dir in enumerate(done):
+        (run_dir / "eval").mkdir()
+        (run_dir / "eval" / "table.csv").write_text(
+            "task,metric,value,stderr\n"
+            f"offline_copa,acc,{0.5 + i / 100},0.05\n"
+            f"offline_piqa,acc,0.4,0.05\noffline_piqa,acc_norm,{0.6 + i / 100},0.05\n"
+        )
+    text = closing_table(sweep_status("big", tmp_path), sweep)
+    header, *body = text.splitlines()
+    assert header.split()[-3:] == ["offline_copa", "offline_piqa", "reason"]
+    first = next(line for line in body if line.startswith(done[0].name))
+    assert first.split()[-2:] == ["50.0", "60.0"]
+    assert body[-1] == (
+        "10 run(s): 2 cancelled, 4 done, 2 failed, 2 interrupted; downstream in percent: offline_copa acc, "
+        "offline_piqa acc_norm"
+    )
+
+
+def test_the_local_progress_line_estimates_from_the_runs_that_ended():
+    from harness.sweeps.announce import progress_line
+
+    assert progress_line([], pending=3, running=2, parallelism=2) == "[0/5 finished]"
+    # 4 runs left, 2 at a time: two waves of the mean duration, 30 s
+    assert progress_line([20.0, 40.0], pending=2, running=2, parallelism=2) == "[2/6 finished, about 1:00 left]"
+    assert progress_line([20.0, 40.0], pending=0, running=0, parallelism=2) == "[2/2 finished]"

@@ -12,6 +12,7 @@ import filelock
 import pytest
 
 from harness.cli import main
+from harness.commands.status import table as status_table
 from harness.io import read_json
 from harness.rundir import read_status
 from harness.sweeps.jobstate import sweep_status
@@ -76,6 +77,10 @@ def test_local_sweep_trains_every_run(finished):
     assert [r.run_id.split("-s0-")[0] for r in sub.plan.runs] == ["preln-lr3e-3", "preln-lr1e-2"]
     losses = {r["run_id"]: r["val_loss"] for r in sub.rows}
     assert len(set(losses.values())) == 2
+    # each run that ends says how far the sweep is, and the first one gives an estimate for the rest
+    ended = [line for line in lines if line.startswith("done: ")]
+    assert ended[-1].endswith("[2/2 finished]"), ended
+    assert ended[0].endswith("[1/2 finished, about " + ended[0].split("about ")[-1]) and "left]" in ended[0]
 
 
 def test_resubmitting_a_finished_sweep_submits_nothing(finished, capsys):
@@ -310,3 +315,10 @@ def test_a_run_dropped_from_the_grid_stays_listed_only_while_its_folder_exists(f
     listed = {r["run_id"] for r in read_json(root / "pair" / "sweep.json")["runs"]}
     assert not (root / "pair" / removed).exists()  # status never makes a removed run folder again
     assert removed not in listed and kept in listed
+    # status tells the earlier generation from the grid's runs, and lists it last
+    rows = sweep_status("pair", root)
+    assert {r["run_id"]: r["superseded"] for r in rows}[kept] is True
+    assert sum(not r["superseded"] for r in rows) == 1
+    text = status_table(rows)
+    assert text.splitlines()[-2].startswith(kept) and "superseded: not in the grid" in text.splitlines()[-2]
+    assert text.splitlines()[-1].endswith("1 of them superseded (from an earlier version of the grid, not in it now)")

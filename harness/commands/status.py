@@ -11,6 +11,7 @@ from harness.errors import UsageError
 from harness.sweeps.jobstate import axis_columns, format_rows, sweep_status
 from harness.units import duration
 
+SUPERSEDED = "superseded: not in the grid as it is now (an earlier version of it ran this)"
 COLUMNS = ["state", "step", "loss", "val_loss", "job_id", "node", "reason"]
 
 
@@ -50,14 +51,21 @@ def _progress(row) -> str:
 def table(rows) -> str:
 
     axes = axis_columns(rows)
+    # The runs the grid holds now first, then those an earlier version of it left behind.
+    rows = sorted(rows, key=lambda r: r.get("superseded", False))
     for row in rows:
         row["progress"] = _progress(row)
-        row["why / next"] = "; ".join(x for x in (row.get("reason"), row.get("advice")) if x)
+        old = SUPERSEDED if row.get("superseded") else ""
+        row["why / next"] = "; ".join(x for x in (old, row.get("reason"), row.get("advice")) if x)
     columns = ["run_id", *axes, "state", "progress", "loss", "val_loss", "job_id", "node", "why / next"]
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["state"]] = counts.get(r["state"], 0) + 1
-    return format_rows(rows, columns) + "\n" + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    line = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    superseded = sum(bool(r.get("superseded")) for r in rows)
+    if superseded:
+        line += f"; {superseded} of them superseded (from an earlier version of the grid, not in it now)"
+    return format_rows(rows, columns) + "\n" + line
 
 
 def run(args) -> int:

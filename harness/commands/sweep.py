@@ -7,9 +7,8 @@ from pathlib import Path
 from harness.commands import add_results_option
 from harness.commands.train import check_overrides
 from harness.errors import UsageError
-from harness.sweeps.announce import describe_plan
+from harness.sweeps.announce import closing_table, describe_plan
 from harness.sweeps.grid import combinations, load_grid
-from harness.sweeps.jobstate import axis_columns, format_rows
 from harness.sweeps.planning import check_executor, plan
 from harness.sweeps.submit import sweep
 
@@ -121,9 +120,6 @@ def check_size(grid_file: str, yes: bool) -> None:
         )
 
 
-RESULT_COLUMNS = ["state", "val_loss", "val_bpb", "params", "tokens_per_s", "reason"]
-
-
 def overrides_of(args) -> list[str]:
     # ``sweep train.seed=0,1 g.yaml``: argparse took the first override for FILE and FILE for an override.
     if "=" in args.grid and not Path(args.grid).exists():
@@ -168,7 +164,7 @@ def run(args) -> int:
     )
     waited = args.wait if args.wait is not None else sub.plan.executor == "local"
     if waited:
-        print(format_rows(sub.rows, ["run_id", *axis_columns(sub.rows), *RESULT_COLUMNS]))
+        print(closing_table(sub.rows, sub.plan.sweep_dir))
         if sub.plan.waiting:
             print(f"{len(sub.plan.waiting)} run(s) have no tuned learning rate yet (see tuning.json).")
         return 0 if all(r["state"] == "done" for r in sub.rows) and not sub.plan.waiting else 1

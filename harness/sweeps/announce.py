@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import csv
+import math
 from pathlib import Path
+from typing import Any
 
 from harness import tracking, units
 from harness.rundir import write_config
-from harness.sweeps.jobstate import format_rows
+from harness.sweeps.jobstate import axis_columns, format_rows
 from harness.sweeps.planning import Plan
 from harness.training.budget import tokens_per_step, train_steps
 
@@ -197,3 +200,62 @@ def _both_stages(p: Plan) -> str:
         f"{units.tokens(total(tune, 'tokens') + total(main, 'tokens'))} tokens, "
         f"{units.gpu_time(total(tune, 'gpu_hours') + total(main, 'gpu_hours'))}"
     )
+
+
+CLOSING_COLUMNS = ["state", "val_loss", "val_bpb", "params", "tokens_per_s"]
+
+
+def closing_table(rows: list[dict[str, Any]], sweep_dir: Path) -> str:
+    """The table a sweep that was waited for ends with: each run of the grid with its grid values, state and final
+    numbers, its downstream score per task (in percent, on the metric the report uses), then how many runs ended in
+    each state."""
+    from harness.reporting.tables.comparisons import choose_metric
+
+    rows = [dict(r) for r in rows if not r.get("superseded")]
+    scores = {r["run_id"]: _eval_table(sweep_dir / r["run_id"]) for r in rows if r["state"] == "done"}
+    reported: dict[str, set[str]] = {}
+    for table in scores.values():
+        for task, metric in table:
+            reported.setdefault(task, set()).add(metric)
+    chosen = {task: choose_metric(metrics) for task, metrics in sorted(reported.items())}
+    tasks = [task for task, metric in chosen.items() if metric]
+    for row in rows:
+        table = scores.get(row["run_id"], {})
+        for task in tasks:
+            value = table.get((task, chosen[task]))
+            row[task] = f"{100 * value:.1f}" if value is not None else ""
+    columns = ["run_id", *axis_columns(rows), *CLOSING_COLUMNS, *tasks, "reason"]
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    summary = f"{len(rows)} run(s): " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    if tasks:
+        summary += "; downstream in percent: " + ", ".join(f"{t} {chosen[t]}" for t in tasks)
+    return format_rows(rows, columns) + "\n" + summary
+
+
+def _eval_table(run_dir: Path) -> dict[tuple[str, str], float]:
+    """(task, metric) -> value from a run's eval/table.csv; empty where it has none or it cannot be read."""
+    path = run_dir / "eval" / "table.csv"
+    out: dict[tuple[str, str], float] = {}
+    try:
+        with path.open(newline="") as f:
+            for rec in csv.DictReader(f):
+                try:
+                    out[(rec["task"], rec["metric"])] = float(rec["value"])
+                except (KeyError, TypeError, ValueError):
+                    continue
+    except OSError:
+        return {}
+    return out
+
+
+def progress_line(finished: list[float], pending: int, running: int, parallelism: int) -> str:
+    """``[3/10 finished, about 4:20 left]``: the count of a local sweep's runs that have ended and, once one has, the
+    time the rest should take at the mean duration of those that ended, ``parallelism`` at a time."""
+    total = len(finished) + pending + running
+    text = f"[{len(finished)}/{total} finished"
+    if finished and (pending or running):
+        waves = math.ceil((pending + running) / parallelism)
+        text += f", about {units.duration(waves * sum(finished) / len(finished))} left"
+    return text + "]"

@@ -18,6 +18,7 @@ from typing import Any
 from harness.errors import DepthmemError, UsageError
 from harness.io import atomic_write_json
 from harness.rundir import now_iso, read_status, read_sweep_record, write_status
+from harness.sweeps.announce import progress_line
 from harness.sweeps.grid import GridRun
 from harness.sweeps.job import RunJob
 from harness.sweeps.jobstate import run_rows, stop_local, sweep_status, touch_sweep_process
@@ -134,10 +135,16 @@ def read_record(p: Plan) -> dict[str, Any]:
             for key in ("job_id", "executor", "submitted"):
                 entry.pop(key, None)
         entry.update(run_id=r.run_id, run_dir=r.run_id, variant=r.cfg.variant, overrides=r.overrides)
+        entry.pop("superseded", None)
         runs.append(entry)
-    # Runs dropped from the grid since an earlier submission stay listed while their directories exist.
+    # Runs dropped from the grid since an earlier submission (its base or values changed) stay listed while their
+    # directories exist, marked, so that status can tell an earlier generation from the runs the grid holds now.
     current = {r.run_id for r in known}
-    runs += [e for rid, e in old.items() if rid not in current and (p.sweep_dir / e.get("run_dir", rid)).is_dir()]
+    runs += [
+        {**e, "superseded": True}
+        for rid, e in old.items()
+        if rid not in current and (p.sweep_dir / e.get("run_dir", rid)).is_dir()
+    ]
     record.update(name=p.grid.name, grid=str(p.grid.source), axes=p.axes, runs=runs, updated=now_iso())
     record.setdefault("created", now_iso())
     record.setdefault("submissions", [])
@@ -232,6 +239,8 @@ def run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, 
     """
     ex = make_executor("local", p.sweep_dir / "jobs", p.profile, p.parallelism, p.grid.name)
     pending, running, jobs = list(todo), {}, {}
+    started: dict[str, float] = {}
+    took: list[float] = []  # seconds each run that ended here took, for the progress line's estimate
     try:
         while pending or running:
             while pending and len(running) < p.parallelism:
@@ -239,6 +248,7 @@ def run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, 
                 with _own_process_groups():
                     job = ex.submit(RunJob(p.sweep_dir / r.run_id))
                 jobs[r.run_id] = running[r.run_id] = job
+                started[r.run_id] = time.monotonic()
                 _note_job(p.sweep_dir / r.run_id, str(job.job_id))
                 save_record(p, record, jobs)
                 log(f"started {r.run_id} (local job {job.job_id})")
@@ -247,6 +257,7 @@ def run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, 
             for rid, job in list(running.items()):
                 if job.done():
                     del running[rid]
+                    took.append(time.monotonic() - started[rid])
                     row = next(
                         x
                         for x in run_rows(
@@ -254,7 +265,9 @@ def run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, 
                             {"runs": [e for e in record["runs"] if e["run_id"] == rid], "grid": record.get("grid", "")},
                         )
                     )
-                    log(f"{row['state']}: {rid}" + (f" ({row['reason']})" if row.get("reason") else ""))
+                    reason = f" ({row['reason']})" if row.get("reason") else ""
+                    progress = progress_line(took, len(pending), len(running), p.parallelism)
+                    log(f"{row['state']}: {rid}{reason} {progress}")
     except KeyboardInterrupt:
         log(f"interrupted: stopping {len(running)} run(s) ...")
         stop_local([str(j.job_id) for j in running.values()], reap=lambda: [j.done() for j in running.values()])

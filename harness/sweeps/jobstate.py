@@ -362,6 +362,7 @@ def run_rows(sweep_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
         if starter is not None and row["state"] == "pending" and not row["job_active"]:
             _waiting_for(row, starter, record.get("grid", ""))
         row["variant"] = e.get("variant", "")
+        row["superseded"] = bool(e.get("superseded"))
         overrides = dict(e.get("overrides") or {})
         # The grid's own order, as the dry run shows it, then keys only this run sets.
         row["axes"] = {k: overrides[k] for k in record.get("axes") or [] if k in overrides}
