@@ -11,6 +11,7 @@ A full disk ends as ``DiskFull``, one sentence saying how much space the write n
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import socket
@@ -182,12 +183,64 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+CHECKSUM_SUFFIX = ".sha256"
+
+
+def checksum_path(path: str | os.PathLike) -> Path:
+    """Where the SHA-256 of a file written with ``atomic_write_checked`` is kept: ``summary.json.sha256``."""
+    path = Path(path)
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def recorded_digests(path: str | os.PathLike) -> list[str]:
+    """The digests that ``path``'s checksum file allows (none without one: a file written before checksums)."""
+    try:
+        return checksum_path(path).read_text().split()
+    except FileNotFoundError:
+        return []
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_checked(path: str | os.PathLike, data: bytes) -> Path:
+    """``atomic_write_bytes`` with the SHA-256 of ``data`` written beside it, for the files whose numbers a report
+    rests on: bytes that change on disk after saving (a copy cut short, a stray edit, a bad sector) are then named
+    at load instead of read as results.
+
+    The checksum file lists the new digest beside the current one until the new bytes are in place, so a kill at
+    any point leaves a file that its checksum file accepts.
+    """
+    path = Path(path)
+    digest = hashlib.sha256(data).hexdigest()
+    current = recorded_digests(path)
+    atomic_write_text(checksum_path(path), "\n".join([digest, *current]) + "\n")
+    atomic_write_bytes(path, data)
+    atomic_write_text(checksum_path(path), digest + "\n")
+    return path
+
+
+def matches_checksum(data: bytes, recorded: list[str]) -> bool | None:
+    """Whether ``data`` is what was saved: True or False, None where no checksum was recorded."""
+    return hashlib.sha256(data).hexdigest() in recorded if recorded else None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def json_bytes(obj: Any) -> bytes:
+    """The harness's JSON layout: indented, keys sorted, anything else as its ``str``."""
+    return (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode("utf-8")
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    return atomic_write_bytes(path, json_bytes(obj))
 
 
 def is_temp_name(name: str) -> bool:

@@ -147,6 +147,9 @@ def check_parses(folder: Path) -> int:
             assert data.startswith(b"%PDF") and b"%%EOF" in data[-64:], path
         elif suffix in (".md", ".tex", ".txt", ".log", ".yaml"):
             path.read_text(encoding="utf-8")
+        elif suffix == ".sha256":  # at every moment the file beside it is one its checksum file accepts
+            target = path.with_name(path.name[: -len(suffix)])
+            assert hashlib.sha256(target.read_bytes()).hexdigest() in path.read_text().split(), path
         checked += 1
     return checked
 
@@ -258,6 +261,7 @@ def test_evaluation_killed_at_random_moments_loses_nothing(reference, kill_rng, 
         now = snapshot(run)
         # The evaluation's own records (its table and the list of tasks evaluated) grow with each evaluation.
         grows = ("eval/table.csv", "eval/items.csv.gz", "eval/tasks.json")
+        grows += tuple(name + ".sha256" for name in grows)
         assert {k: v for k, v in now.items() if k in finished and k not in grows} == {
             k: v for k, v in finished.items() if k not in grows
         }, "a finished file changed"

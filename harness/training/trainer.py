@@ -28,8 +28,10 @@ from harness.data import tokenizer as toklib
 from harness.errors import RunFailed, UsageError
 from harness.io import (
     DiskFull,
+    atomic_write_checked,
     atomic_write_json,
     check_checkpoint_room,
+    json_bytes,
     read_json,
     remove_stale_temps,
 )
@@ -409,10 +411,10 @@ def _write_results(cfg, run_dir: Path, model, module, trainer, files: RunFiles, 
     model.float().eval()
     try:
         mixing = diagnostics.mixing_summary(model, module.val_windows[:4, :-1])
-        atomic_write_json(run_dir / "mixing.json", mixing)
+        atomic_write_checked(run_dir / "mixing.json", json_bytes(mixing))
     except NotImplementedError:
         pass  # a variant without a mixing matrix still trains; it simply has no mixing.json
-    atomic_write_json(run_dir / "summary.json", summary)
+    atomic_write_checked(run_dir / "summary.json", json_bytes(summary))
     rundir.write_status(
         run_dir,
         "done",
