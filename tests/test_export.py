@@ -129,3 +129,29 @@ def test_lm_eval_hf_backend_scores_an_export_as_the_project_does(tmp_path):
     assert metrics
     for metric in metrics:
         assert theirs["results"]["offline_copa"][metric] == ours["results"]["offline_copa"][metric], metric
+
+
+def test_export_in_a_terminal_prints_its_one_line_and_no_bar(tmp_path):
+    """In a terminal (a pseudo-terminal here) transformers would draw and erase a progress bar while it writes."""
+    import os
+    import pty
+    import sys
+
+    run = _trained(tmp_path, "preln")
+    out = tmp_path / "hf"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the command line, its output on the terminal
+        os.execv(sys.executable, [sys.executable, "-m", "harness.cli", "export", str(run), "--hf", str(out)])
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    text = b"".join(chunks).decode()
+    assert text == f"depthmem: wrote {out} (load the model and the tokenizer with transformers' from_pretrained)\r\n"

@@ -9,6 +9,7 @@ Both folders carry the run's tokenizer (``tokenizer.json`` with ``<|endoftext|>`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -72,6 +73,20 @@ def _save_tokenizer(tok, out: Path, max_len: int) -> None:
     hf.save_pretrained(str(out))
 
 
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers draws a bar while it writes even one small file: a flash in a terminal, a stray line in a log."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def _stamps(folder: Path) -> dict[Path, tuple[int, int]]:
     return {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
 
@@ -109,8 +124,9 @@ def export_hf(run: str | os.PathLike, out: str | os.PathLike) -> Path:
         )
         hf = DepthmemForCausalLM(hf_cfg)
         hf.decoder.load_state_dict(model.state_dict())
-    hf.eval().save_pretrained(str(out))
-    _save_tokenizer(tok, out, cfg.model.max_seq_len)
+    with _no_progress_bar():
+        hf.eval().save_pretrained(str(out))
+        _save_tokenizer(tok, out, cfg.model.max_seq_len)
     # Only what this export wrote: other files already in the folder keep the mode their owner gave them.
     honour_umask(p for p, stamp in _stamps(out).items() if before.get(p) != stamp)
     return out
