@@ -57,6 +57,10 @@ def test_two_processes_match_one_process(variant, tmp_path, tmp_path_factory):
     ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
+    # one start line naming the processes, one closing line, and none of Lightning's per-process greetings
+    assert "on 2 processes (strategy auto: DDP)" in result.stdout.splitlines()[0]
+    assert result.stdout.count("depthmem: run directory") == 1, result.stdout
+    assert "Initializing distributed" not in result.stderr and "distributed_backend" not in result.stderr
     single = train(
         build_config({"model": {"preset": "tiny"}, "variant": variant, "train": settings}), tmp_path / "single"
     )

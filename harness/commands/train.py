@@ -129,5 +129,8 @@ def run(args) -> int:
         rows = tracking.backfill(run_dir, cfg)
         write_config(run_dir, cfg)
         print(f"depthmem: sent {rows} logged step(s) of the finished run to {cfg.train.logger} from its metrics.csv")
-    print(f"depthmem: run directory {run_dir}")
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if rank_zero_only.rank == 0:  # every process of a multi-process run returns here; one line says where it is
+        print(f"depthmem: run directory {run_dir}")
     return 0

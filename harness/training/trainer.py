@@ -58,17 +58,39 @@ def _safe_cost(fn) -> Any:
 
 class _LightningNoise(logging.Filter):
     """Drops what Lightning says of every run and not of this one: tips for its cloud products, the devices it did
-    not use (the start line names the run's), and that ``fit`` stopped at ``max_steps`` (the run's own last line
-    says how it ended)."""
+    not use and each process joining the group (the start line names the run's devices and processes), and that
+    ``fit`` stopped at ``max_steps`` (the run's own last line says how it ended)."""
 
-    NOISE = ("💡", "GPU available", "TPU available", "HPU available", "`Trainer.fit` stopped")
+    NOISE = (
+        "💡",
+        "GPU available",
+        "TPU available",
+        "HPU available",
+        "`Trainer.fit` stopped",
+        "Initializing distributed:",
+        "-" * 100 + "\ndistributed_backend=",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.getMessage()).lstrip().startswith(self.NOISE)
 
 
+def _processes(cfg: RunConfig) -> str:
+    """``, on 2 processes (strategy auto: DDP)`` for the start line where more than one process trains."""
+    world = cfg.train.devices * cfg.train.num_nodes
+    if world == 1:
+        return ""
+    nodes = f" on {cfg.train.num_nodes} nodes" if cfg.train.num_nodes > 1 else ""
+    strategy = "auto: DDP" if cfg.train.strategy == "auto" else cfg.train.strategy
+    return f", on {world} processes{nodes} (strategy {strategy})"
+
+
 def _quiet_lightning() -> None:
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    for name in (
+        "lightning.pytorch.utilities.rank_zero",
+        "lightning.fabric.utilities.rank_zero",
+        "lightning.fabric.utilities.distributed",
+    ):
         log = logging.getLogger(name)
         if not any(isinstance(f, _LightningNoise) for f in log.filters):
             log.addFilter(_LightningNoise())
@@ -459,7 +481,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         print(
             f"depthmem: {cfg.variant} {cfg.model.preset}, {model.num_params():,} parameters, {total} steps "
             f"of {cfg.train.batch_size}x{seq_len} tokens = {total * cfg.train.batch_size * seq_len:,} tokens "
-            f"({what}); writing {run_dir}",
+            f"({what}){_processes(cfg)}; writing {run_dir}",
             flush=True,
         )
 
