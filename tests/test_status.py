@@ -161,10 +161,12 @@ def test_a_waited_sweep_ends_with_downstream_scores_and_counts(tmp_path):
     )
 
 
-def test_the_local_progress_line_estimates_from_the_runs_that_ended():
+def test_the_local_progress_line_estimates_from_the_pace_so_far():
     from harness.sweeps.announce import progress_line
 
-    assert progress_line([], pending=3, running=2, parallelism=2) == "[0/5 finished]"
-    # 4 runs left, 2 at a time: two waves of the mean duration, 30 s
-    assert progress_line([20.0, 40.0], pending=2, running=2, parallelism=2) == "[2/6 finished, about 1:00 left]"
-    assert progress_line([20.0, 40.0], pending=0, running=0, parallelism=2) == "[2/2 finished]"
+    assert progress_line(0, pending=3, running=2, parallelism=2, elapsed_s=5.0) == "[0/5 finished]"
+    # 4 runs in 80 s: 20 s a run, 4 left
+    assert progress_line(4, pending=2, running=2, parallelism=2, elapsed_s=80.0) == "[4/8 finished, about 1:20 left]"
+    # the first of 2 parallel runs ends at 30 s: the pace counts both, 15 s a run
+    assert progress_line(1, pending=4, running=1, parallelism=2, elapsed_s=30.0) == "[1/6 finished, about 1:15 left]"
+    assert progress_line(2, pending=0, running=0, parallelism=2, elapsed_s=9.0) == "[2/2 finished]"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import math
 from pathlib import Path
 from typing import Any
 
@@ -250,12 +249,14 @@ def _eval_table(run_dir: Path) -> dict[tuple[str, str], float]:
     return out
 
 
-def progress_line(finished: list[float], pending: int, running: int, parallelism: int) -> str:
-    """``[3/10 finished, about 4:20 left]``: the count of a local sweep's runs that have ended and, once one has, the
-    time the rest should take at the mean duration of those that ended, ``parallelism`` at a time."""
-    total = len(finished) + pending + running
-    text = f"[{len(finished)}/{total} finished"
+def progress_line(finished: int, pending: int, running: int, parallelism: int, elapsed_s: float) -> str:
+    """``[3/10 finished, about 4:20 left]``: how many of a local sweep's runs have ended and, once one has, the time
+    the rest should take at the pace so far (``elapsed_s`` since the first started, so the time between one run's
+    end and the next one's start counts too). The first runs end together, ``parallelism`` at a time, so the pace
+    counts at least that many."""
+    total = finished + pending + running
+    text = f"[{finished}/{total} finished"
     if finished and (pending or running):
-        waves = math.ceil((pending + running) / parallelism)
-        text += f", about {units.duration(waves * sum(finished) / len(finished))} left"
+        per_run = elapsed_s / max(finished, min(parallelism, total))
+        text += f", about {units.duration(per_run * (pending + running))} left"
     return text + "]"

@@ -239,8 +239,7 @@ def run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, 
     """
     ex = make_executor("local", p.sweep_dir / "jobs", p.profile, p.parallelism, p.grid.name)
     pending, running, jobs = list(todo), {}, {}
-    started: dict[str, float] = {}
-    took: list[float] = []  # seconds each run that ended here took, for the progress line's estimate
+    first_start, finished = time.monotonic(), 0
     try:
         while pending or running:
             while pending and len(running) < p.parallelism:
@@ -248,7 +247,6 @@ def run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, 
                 with _own_process_groups():
                     job = ex.submit(RunJob(p.sweep_dir / r.run_id))
                 jobs[r.run_id] = running[r.run_id] = job
-                started[r.run_id] = time.monotonic()
                 _note_job(p.sweep_dir / r.run_id, str(job.job_id))
                 save_record(p, record, jobs)
                 log(f"started {r.run_id} (local job {job.job_id})")
@@ -257,7 +255,7 @@ def run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, 
             for rid, job in list(running.items()):
                 if job.done():
                     del running[rid]
-                    took.append(time.monotonic() - started[rid])
+                    finished += 1
                     row = next(
                         x
                         for x in run_rows(
@@ -266,7 +264,8 @@ def run_local_window(p: Plan, todo: list[GridRun], record: dict[str, Any], log, 
                         )
                     )
                     reason = f" ({row['reason']})" if row.get("reason") else ""
-                    progress = progress_line(took, len(pending), len(running), p.parallelism)
+                    elapsed = time.monotonic() - first_start
+                    progress = progress_line(finished, len(pending), len(running), p.parallelism, elapsed)
                     log(f"{row['state']}: {rid}{reason} {progress}")
     except KeyboardInterrupt:
         log(f"interrupted: stopping {len(running)} run(s) ...")
