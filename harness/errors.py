@@ -14,4 +14,9 @@ class RunFailed(DepthmemError):
     exit_code = 1
 
 
-__all__ = ["DepthmemError", "UsageError", "RunFailed", "did_you_mean"]
+class RunStopped(RunFailed):
+    """A run that a signal stopped (Ctrl-C, a cancel, a preemption) after saving where it was: the same command
+    resumes it."""
+
+
+__all__ = ["DepthmemError", "UsageError", "RunFailed", "RunStopped", "did_you_mean"]

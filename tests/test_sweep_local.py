@@ -259,6 +259,9 @@ def test_ctrl_c_stops_the_runs_marks_them_interrupted_and_the_same_command_resum
         assert status["state"] == "interrupted" and status["ckpt_step"] >= 3
     p = plan(grid, root=root)
     assert set(p.decisions.values()) == {"resume"}
+    # a stop the sweep asked for is no error: the jobs' logs hold no traceback
+    for log in (root / "stop" / "jobs").glob("*.err"):
+        assert "Traceback" not in log.read_text() and "triggered an exception" not in log.read_text(), log.read_text()
 
 
 def test_a_run_whose_start_fails_ends_failed_with_its_reason(tmp_path):

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
-from harness.errors import RunFailed
+from harness.errors import RunFailed, RunStopped
 from harness.io import read_json
 from harness.rundir import now_iso, read_config, read_status, write_status
 
@@ -77,8 +78,13 @@ class RunJob:
                 write_status(run_dir, "done", message=f"evaluating {', '.join(todo)}")
                 evaluate(run_dir, todo, limit=cfg.eval.limit, batch_size=cfg.eval.batch_size)
                 write_status(run_dir, "done", message=f"evaluated {', '.join(todo)}")
+        except RunStopped as e:
+            # A stop that was asked for is no error of the job: the run's status says interrupted and where it
+            # resumes, and this line is all the job's log needs (submitit would add a traceback to a raise).
+            print(f"depthmem: {e}", file=sys.stderr, flush=True)
+            return {}
         except RunFailed:
-            raise  # training already marked the run diverged, failed or interrupted, with its reason
+            raise  # training already marked the run diverged or failed, with its reason
         except BaseException as e:
             if rank == 0 and read_status(run_dir).get("state") not in ("failed", "diverged", "interrupted"):
                 what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"

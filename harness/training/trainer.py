@@ -25,7 +25,7 @@ from harness import rundir, tracking
 from harness.config import RunConfig
 from harness.data import corpus as datalib
 from harness.data import tokenizer as toklib
-from harness.errors import RunFailed, UsageError
+from harness.errors import RunFailed, RunStopped, UsageError
 from harness.io import (
     DiskFull,
     atomic_write_checked,
@@ -384,7 +384,7 @@ def _record_stop(e: BaseException, signal_name: str | None, trainer, files: RunF
 
 
 def _fit(cfg: RunConfig, trainer, module, loader, resume_from, files: RunFiles, run_dir: Path, rank0: bool) -> None:
-    """Run Lightning's fit; a signal becomes RunFailed saying how to resume, and the status says what happened."""
+    """Run Lightning's fit; a signal becomes RunStopped saying how to resume, and the status says what happened."""
     try:
         trainer.fit(
             module, train_dataloaders=loader, ckpt_path=str(resume_from) if resume_from else None, weights_only=True
@@ -395,7 +395,7 @@ def _fit(cfg: RunConfig, trainer, module, loader, resume_from, files: RunFiles, 
         if rank0:
             _record_stop(e, signal_name, trainer, files, run_dir)
         if signal_name:
-            raise RunFailed(
+            raise RunStopped(
                 f"Training was stopped by {signal_name} at step {trainer.global_step}; run the same "
                 f"command again to resume from step {files.ckpt_step}."
             ) from None
