@@ -636,3 +636,22 @@ def test_ablation_table_without_an_ablation_is_left_out_with_its_reason(tmp_path
         write_run(tmp_path / f"ldm-rls-s{s}", "ldm-rls", s, _model(64, 2), rng, noise=rng.normal(0, 0.01))
     with pytest.raises(NoData, match="no knob setting of ldm or ldm-rls"):
         tables.ablation_table(Context(load_sweep(tmp_path)))
+
+
+def test_mixing_draws_the_mean_magnitude_where_a_signed_mean_cancels(tmp_path, rng_seed):
+    """A source read with weights of both signs has a signed mean near zero; the figure shows how much it is read."""
+    rng = np.random.default_rng(rng_seed)
+    folder = tmp_path / "ldm-rls-s0"
+    write_run(folder, "ldm-rls", 0, _model(64, 2), rng, noise=0.0)
+    mixing = json.loads((folder / "mixing.json").read_text())
+    size = len(mixing["matrix"])
+    magnitude = np.tril(rng.uniform(0.5, 1.5, (size, size)))
+    mixing["matrix"] = np.tril(rng.normal(0.0, 1e-3, (size, size))).tolist()  # cancelled
+    mixing["matrix_abs"] = magnitude.tolist()
+    (folder / "mixing.json").write_text(json.dumps(mixing))
+    sweep = load_sweep(tmp_path)
+    fig, caption = figs.mixing_matrices(Context(sweep, colours=figs.palette(r.variant for r in sweep.runs)))
+    drawn = fig.axes[0].collections[0].get_array()
+    lower = np.tril_indices(size)
+    np.testing.assert_allclose(np.asarray(drawn).reshape(size, size)[lower], magnitude[lower])
+    assert "magnitude" in caption and "signed mean" in caption

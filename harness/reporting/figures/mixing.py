@@ -64,10 +64,15 @@ def mixing_matrices(ctx: Context) -> tuple[Figure, str]:
     if not by_variant:
         raise NoData("no finished run has a mixing.json with a matrix")
     order = variant_order(by_variant, ctx.baseline)
-    matrices, skipped = {}, []
+    matrices, skipped, signed = {}, [], []
     for variant in order:
         runs = sorted(by_variant[variant], key=lambda r: r.seed)
-        matrices[variant], dropped = _mean_same_shape([np.asarray(r.mixing["matrix"], dtype=float) for r in runs])
+        # The mean magnitude where every run recorded it: a memory read's weight k_iᵀq changes sign from token to
+        # token, so its signed mean can be near zero for a source that every token reads with weight of order one.
+        key = "matrix_abs" if all(isinstance(r.mixing.get("matrix_abs"), list) for r in runs) else "matrix"
+        if key == "matrix":
+            signed.append(variant)
+        matrices[variant], dropped = _mean_same_shape([np.asarray(r.mixing[key], dtype=float) for r in runs])
         if dropped:
             skipped.append(variant)
     shown_cells = [
@@ -98,7 +103,10 @@ def mixing_matrices(ctx: Context) -> tuple[Figure, str]:
             vmin=vmin,
             vmax=vmax,
             cbar=not shared or i == len(order) - 1,
-            cbar_kws={"label": "mixing weight (shared scale)" if shared else "mixing weight"},
+            cbar_kws={
+                "label": ("mixing weight" if variant in signed else "mean |mixing weight|")
+                + (" (shared scale)" if shared else "")
+            },
             # At most about a dozen labels per axis, whatever the depth, so they never run into each other.
             xticklabels=max(1, math.ceil(matrix.shape[1] / MAX_TICKS)),
             yticklabels=max(1, math.ceil(matrix.shape[0] / MAX_TICKS)),
@@ -107,11 +115,15 @@ def mixing_matrices(ctx: Context) -> tuple[Figure, str]:
         ax.set(xlabel="source (e: embedding, n: output of layer n)", ylabel="reader (h: head)")
         panel_title(ax, variant)
     caption = (
-        "Depth-mixing matrices: entry (reader, source) is the weight with which a layer's input (or the "
-        "head's) contains the embedding or an earlier layer's output, averaged over tokens and seeds; "
+        "Depth-mixing matrices: entry (reader, source) is the magnitude of the weight with which a layer's input "
+        "(or the head's) contains the embedding or an earlier layer's output, averaged over tokens, memory groups "
+        "and seeds (each run's mixing.json also keeps the signed mean, `matrix`, which cancels towards zero where "
+        "the weight's sign changes from token to token); "
         + ("one colour scale for all panels." if shared else "each panel its own colour scale (their ranges differ).")
         + setting_note(candidates, shown)
     )
+    if signed:
+        caption += f" Runs that recorded only the signed mean show it for: {', '.join(signed)}."
     if skipped:
         caption += f" Runs whose matrix shape differs were left out for: {', '.join(skipped)}."
     return finish(fig), caption
