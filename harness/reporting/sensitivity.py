@@ -21,7 +21,6 @@ from matplotlib.figure import Figure
 from harness.reporting.figures.common import dodged, dodged_errorbar, figure_grid, shared_legend
 from harness.reporting.items import Context, NoData, figure, table
 from harness.reporting.results import split_variant
-from harness.reporting.stats import mean_ci
 from harness.reporting.tables import Table, variant_order
 from harness.reporting.tuning import read_tuning
 
@@ -253,8 +252,8 @@ def lr_neighbours_table(ctx: Context) -> Table:
 
 @figure("lr_sensitivity", needs="tuning.json with each tuning run's loss (a grid with a tune section)")
 def lr_sensitivity_figure(ctx: Context) -> tuple[Figure, str]:
-    """Tuning loss against learning rate per tuned variant on a log axis: the mean over the tuning seeds with its
-    95% t-interval, the chosen rate circled, one panel per setting."""
+    """Tuning loss against learning rate per tuned variant on a log axis: the mean over the tuning seeds with their
+    range, the chosen rate circled, one panel per setting."""
     found, _ = tuning_curves(ctx)
     settings = sorted({c.setting for c in found})
     with sns.axes_style("whitegrid"):
@@ -265,13 +264,17 @@ def lr_sensitivity_figure(ctx: Context) -> tuple[Figure, str]:
             order = variant_order(mine, split_variant(ctx.baseline)[0])
             for variant, transform in zip(order, dodged(ax, len(order))):
                 curve = mine[variant]
-                points = [(v, *mean_ci(x for x in curve.losses[v] if x is not None)[:2]) for v in curve.values]
-                points = [(v, m, h) for v, m, h in points if math.isfinite(curve.mean(v))]
+                points = [(v, curve.mean(v), _seed_range(curve.losses[v])) for v in curve.values]
+                points = [(v, m, r) for v, m, r in points if math.isfinite(m)]
                 if not points:
                     continue
-                x, y, half = zip(*points)
+                x, y, spans = zip(*points)
+                below = [m - lo for m, (lo, _) in zip(y, spans)]
+                above = [hi - m for m, (_, hi) in zip(y, spans)]
                 colour = ctx.colours.get(variant)
-                dodged_errorbar(ax, transform, x, y, half, marker="o", ms=4, capsize=3, color=colour, label=variant)
+                dodged_errorbar(
+                    ax, transform, x, y, [below, above], marker="o", ms=4, capsize=3, color=colour, label=variant
+                )
                 if curve.chosen is not None and math.isfinite(curve.mean(curve.chosen)):
                     chosen = [curve.chosen], [curve.mean(curve.chosen)]
                     ax.plot(*chosen, "o", ms=11, mfc="none", color=colour, transform=transform)
@@ -283,9 +286,16 @@ def lr_sensitivity_figure(ctx: Context) -> tuple[Figure, str]:
         shared_legend(fig, axes)
     return fig, (
         "Final loss on the tuning split against the learning rate (log axis) per tuned variant: the mean over the "
-        "tuning seeds with its 95% t-interval (no bar with one seed); the circle marks the chosen rate; a rate "
-        "where a run diverged has no point."
+        "tuning seeds, the bar from the smallest to the largest seed's loss (no bar with one seed; with a handful "
+        "of seeds a 95% t-interval is several times wider than the spread and would hide the curves: the "
+        "sensitivity table gives the standard deviations); the circle marks the chosen rate; a rate where a run "
+        "diverged has no point."
     )
+
+
+def _seed_range(losses: list[float | None]) -> tuple[float, float]:
+    finite = [x for x in losses if x is not None and math.isfinite(x)]
+    return (min(finite), max(finite)) if finite else (math.nan, math.nan)
 
 
 def untuned_claims(ctx: Context) -> list[str]:

@@ -145,13 +145,14 @@ def dodged(ax, n: int, points: float = 5.0) -> list:
 
 
 def dodged_errorbar(ax, transform, x, y, half, **kwargs):
-    """``ax.errorbar`` of means ``y`` ± ``half`` (NaN: no bar) at ``x``, drawn with a ``dodged`` transform; the data
-    limits are widened by hand, which artists on a shifted transform do not do (call ``ax.autoscale_view()`` once
-    every series is drawn)."""
+    """``ax.errorbar`` of means ``y`` ± ``half`` (NaN: no bar; a pair of rows: below and above) at ``x``, drawn with
+    a ``dodged`` transform; the data limits are widened by hand, which artists on a shifted transform do not do
+    (call ``ax.autoscale_view()`` once every series is drawn)."""
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    half = np.nan_to_num(np.asarray(half, dtype=np.float64))
-    bars = ax.errorbar(x, y, yerr=half, transform=transform, **kwargs)
-    ax.update_datalim(np.column_stack([np.r_[x, x], np.r_[y - half, y + half]]))
+    err = np.nan_to_num(np.asarray(half, dtype=np.float64))
+    below, above = (err[0], err[1]) if err.ndim == 2 else (err, err)
+    bars = ax.errorbar(x, y, yerr=err, transform=transform, **kwargs)
+    ax.update_datalim(np.column_stack([np.r_[x, x], np.r_[y - below, y + above]]))
     return bars
 
 
