@@ -60,13 +60,18 @@ class ModelConfig:
         return 2 * self.n_blocks
 
 
-# Sizes are counted with tied embeddings; "small" matches the 256-wide, 12-layer model of the benchmarks.
+# Sizes are counted with tied embeddings; "small" matches the 256-wide, 12-layer model of the benchmarks. The GPT-2
+# ladder keeps GPT-2's widths, depths and heads (head width 64) with SwiGLU MLPs of about 8/3 the width, rounded to
+# a multiple of 128; "1.3b" is the 24 x 2048 model of the 1.3B rung of the usual scaling ladders (head width 128).
+# `depthmem variants --costs --preset NAME` gives each one's parameters and the mixers' sizes there.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, d_model=64, n_blocks=2, n_heads=4, ffn_hidden=192, max_seq_len=64),
     "cpu": dict(vocab_size=4096, d_model=128, n_blocks=4, n_heads=4, ffn_hidden=384, max_seq_len=128),
     "small": dict(vocab_size=50257, d_model=256, n_blocks=6, n_heads=4, ffn_hidden=768, max_seq_len=256),
     "gpt2-small": dict(vocab_size=50257, d_model=768, n_blocks=12, n_heads=12, ffn_hidden=2048, max_seq_len=1024),
-    "medium": dict(vocab_size=50257, d_model=1024, n_blocks=24, n_heads=16, ffn_hidden=2816, max_seq_len=1024),
+    "gpt2-medium": dict(vocab_size=50257, d_model=1024, n_blocks=24, n_heads=16, ffn_hidden=2816, max_seq_len=1024),
+    "gpt2-large": dict(vocab_size=50257, d_model=1280, n_blocks=36, n_heads=20, ffn_hidden=3456, max_seq_len=1024),
+    "1.3b": dict(vocab_size=50257, d_model=2048, n_blocks=24, n_heads=16, ffn_hidden=5504, max_seq_len=2048),
 }
 
 

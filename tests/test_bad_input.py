@@ -100,7 +100,11 @@ def test_bad_variant_or_knob_names_the_allowed_values(capsys, tmp_path, variant,
         ("train.schedule=linear", ["cosine or wsd", "'linear'"]),
         (
             "model.preset=smal",
-            ["Unknown preset 'smal'", "Did you mean 'small'?", "tiny, cpu, small, gpt2-small, medium"],
+            [
+                "Unknown preset 'smal'",
+                "Did you mean 'small'?",
+                "tiny, cpu, small, gpt2-small, gpt2-medium, gpt2-large, 1.3b",
+            ],
         ),
         ("model.d_model=65", ["d_model (65)", "divisible"]),
     ],

@@ -93,7 +93,12 @@ def test_cli_prints_the_table_with_units_and_percentages(capsys):
             f"{row.stream_floats_per_token:,}",
             "floats",
         ]
-        assert line.split()[5:] == [units.si(row.extra_flops_per_token), f"+{units.percent(row.extra_flops_frac)}"]
+        sizes = " ".join(f"{k} {v}," for k, v in row.sizes.items()).rstrip(",").split()
+        assert line.split()[5:] == [
+            units.si(row.extra_flops_per_token),
+            f"+{units.percent(row.extra_flops_frac)}",
+            *sizes,
+        ]
         assert f"{row.params_added_frac:.6f}" not in line  # no bare fractions
     assert main(["variants", "--costs", "--preset", "tiny", "--json"]) == 0
     raw = json.loads(capsys.readouterr().out)["costs"]
@@ -184,3 +189,24 @@ def test_parameter_matched_preln_counts_its_wider_mlps(target, rng_seed):
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(idx)
     assert row["extra_flops_per_token"] == counter.get_total_flops() / idx.numel() - preln_flops_per_token(cfg)
+
+
+@pytest.mark.parametrize(
+    "preset, nominal", [("gpt2-small", 124e6), ("gpt2-medium", 350e6), ("gpt2-large", 774e6), ("1.3b", 1.3e9)]
+)
+def test_the_preset_ladder_has_its_nominal_sizes(preset, nominal):
+    """Each rung's PreLN, built on the meta device (shapes, no storage), within 3% of the size it is named for."""
+    cfg = model_preset(preset)
+    with torch.device("meta"):
+        model = build_model(cfg, "preln")
+    assert model.num_params() == preln_params(cfg)
+    assert abs(model.num_params() / nominal - 1) < 0.03, model.num_params()
+    assert cfg.d_model // cfg.n_heads in (64, 128) and cfg.ffn_hidden % 128 == 0
+
+
+def test_the_cost_table_states_each_mixers_sizes_at_the_preset():
+    table = cost_table("1.3b").set_index("variant")
+    assert table.loc["ldm-rls", "sizes"] == {"groups": 16, "key width": 128, "value width": 128}
+    assert table.loc["mhc", "sizes"] == {"streams": 4}
+    assert table.loc["attnres-block", "sizes"] == {"block size": 4, "blocks": 12}
+    assert table.loc["preln", "sizes"] == {}

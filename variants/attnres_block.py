@@ -99,6 +99,9 @@ class AttnResBlock(DepthMixer):
         # The head reads the embedding, every completed block and the last partial one.
         return (1 + math.ceil(self.n_layers / self.block_size)) * self.d_model
 
+    def sizes(self) -> dict[str, int]:
+        return {"block size": self.block_size, "blocks": math.ceil(self.n_layers / self.block_size)}
+
     def extra_flops_per_token(self):
         d, L = self.d_model, self.n_layers
         sources = sum(len(self._source_spans(r)) for r in range(L + 1))

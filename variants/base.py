@@ -96,6 +96,11 @@ class DepthMixer(nn.Module, abc.ABC):
         forgetting factors and importance weights per layer); empty for a mixer that has nothing of the kind."""
         return {}
 
+    def sizes(self) -> dict[str, int]:
+        """The sizes the mixer's knobs resolve to at this width and depth (memory groups, key width, streams), for
+        the cost listing of a preset; empty for a mixer without any."""
+        return {}
+
     def step_checks(self) -> str | None:
         """Called once per optimizer step, where training already waits for the device: a sentence when what this
         step computed cannot be trusted (the mixer has then switched to a path that can), else None. Lets a mixer

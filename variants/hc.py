@@ -68,6 +68,9 @@ class HyperConnections(ExpandedStream):
         am, ar, bw = self.weights(H, layer)
         return am, ar.transpose(-1, -2), bw  # H ← A_r^T H: the shared stream code mixes with res = A_r^T
 
+    def sizes(self) -> dict[str, int]:
+        return {"streams": self.n}
+
     def extra_flops_per_token(self):
         n, d, L = self.n, self.d_model, self.n_layers
         per_layer = 2 * n * d + 2 * n * n * d + 2 * n * d  # read, stream mixing, writing v into n streams

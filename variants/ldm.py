@@ -357,6 +357,9 @@ class LDM(DepthMixer):
         return sum(ldm_costs.flops_per_token(self))
 
     @torch.no_grad()
+    def sizes(self) -> dict[str, int]:
+        return {"groups": self.G, "key width": self.dk, "value width": self.dv}
+
     def learned_statistics(self, trace):
         """LDM-RLS: the forgetting factor λ of every layer's write per group (from the parameters, or the fixed
         value), and the importance weights ω of every layer's write over the traced tokens and groups: mean,

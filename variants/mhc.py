@@ -76,6 +76,9 @@ class ManifoldHyperConnections(ExpandedStream):
         pre, post, res = self.coefficients(X, layer)
         return pre, res, post
 
+    def sizes(self) -> dict[str, int]:
+        return {"streams": self.n}
+
     def extra_flops_per_token(self):
         n, d, L = self.n, self.d_model, self.n_layers
         width = n * n + 2 * n

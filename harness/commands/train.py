@@ -25,7 +25,8 @@ def add_parser(sub):
     )
     p.add_argument(
         "--preset",
-        help="model size preset: tiny, cpu, small, gpt2-small or medium (default: the config file's, else tiny)",
+        help="model size preset: tiny, cpu, small, gpt2-small, gpt2-medium, gpt2-large or 1.3b (default: the config "
+        "file's, else tiny)",
     )
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file with config sections (model, data, train, ...)")
     p.add_argument(

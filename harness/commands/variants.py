@@ -34,6 +34,7 @@ def describe_costs(table) -> str:
             "depth state / token": f"{r.stream_floats_per_token:,} floats",
             "FLOPs added / token": units.si(r.extra_flops_per_token),
             "of PreLN ": f"+{units.percent(r.extra_flops_frac)}",
+            "sizes at its defaults": ", ".join(f"{k} {v}" for k, v in r.sizes.items()),
         }
         for r in table.itertuples()
     ]

@@ -25,6 +25,7 @@ COLUMNS = [
     "stream_floats_per_token",
     "extra_flops_per_token",
     "extra_flops_frac",
+    "sizes",
 ]
 
 
@@ -79,6 +80,7 @@ def cost_table(preset: str, specs: list[str] | None = None) -> pd.DataFrame:
                 "stream_floats_per_token": mixer.stream_floats_per_token(),
                 "extra_flops_per_token": flops,
                 "extra_flops_frac": flops / base_flops,
+                "sizes": mixer.sizes(),
             }
         )
     table = pd.DataFrame(rows, columns=COLUMNS)

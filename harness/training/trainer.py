@@ -8,7 +8,6 @@ last checkpoint left it; on CPU its loss curve equals an uninterrupted run's.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import sys
@@ -39,6 +38,7 @@ from harness.model import diagnostics
 from harness.model.checkpoint import read_checkpoint, usable_checkpoint
 from harness.model.factory import build_model
 from harness.training.budget import seq_len_of
+from harness.training.console import processes_text, quiet_lightning
 from harness.training.module import AtomicCheckpointIO, LitDecoder, StepBatches
 from harness.training.optim import accumulation, total_steps
 from harness.training.runfiles import DEPTH_STATS, RunFiles, StepCosts, StepProgressBar
@@ -54,46 +54,6 @@ def _safe_cost(fn) -> Any:
         return fn()
     except NotImplementedError:
         return None
-
-
-class _LightningNoise(logging.Filter):
-    """Drops what Lightning says of every run and not of this one: tips for its cloud products, the devices it did
-    not use and each process joining the group (the start line names the run's devices and processes), and that
-    ``fit`` stopped at ``max_steps`` (the run's own last line says how it ended)."""
-
-    NOISE = (
-        "💡",
-        "GPU available",
-        "TPU available",
-        "HPU available",
-        "`Trainer.fit` stopped",
-        "Initializing distributed:",
-        "-" * 100 + "\ndistributed_backend=",
-    )
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).lstrip().startswith(self.NOISE)
-
-
-def _processes(cfg: RunConfig) -> str:
-    """``, on 2 processes (strategy auto: DDP)`` for the start line where more than one process trains."""
-    world = cfg.train.devices * cfg.train.num_nodes
-    if world == 1:
-        return ""
-    nodes = f" on {cfg.train.num_nodes} nodes" if cfg.train.num_nodes > 1 else ""
-    strategy = "auto: DDP" if cfg.train.strategy == "auto" else cfg.train.strategy
-    return f", on {world} processes{nodes} (strategy {strategy})"
-
-
-def _quiet_lightning() -> None:
-    for name in (
-        "lightning.pytorch.utilities.rank_zero",
-        "lightning.fabric.utilities.rank_zero",
-        "lightning.fabric.utilities.distributed",
-    ):
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _LightningNoise) for f in log.filters):
-            log.addFilter(_LightningNoise())
 
 
 def _cluster_environment():
@@ -481,7 +441,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         print(
             f"depthmem: {cfg.variant} {cfg.model.preset}, {model.num_params():,} parameters, {total} steps "
             f"of {cfg.train.batch_size}x{seq_len} tokens = {total * cfg.train.batch_size * seq_len:,} tokens "
-            f"({what}){_processes(cfg)}; writing {run_dir}",
+            f"({what}){processes_text(cfg)}; writing {run_dir}",
             flush=True,
         )
 
@@ -490,7 +450,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     )
     files = RunFiles(cfg, run_dir, ckpt_path, resume_step, plain_logs)
     costs = StepCosts(resume_step, total)
-    _quiet_lightning()
+    quiet_lightning()
     callbacks = [files, costs] if plain_logs else [files, costs, StepProgressBar(files)]
     callbacks.append(SyncedStop())  # after RunFiles, whose step-end work (checkpoints, validation) comes first
     trainer = _trainer(cfg, callbacks, run_dir, total, plain_logs)
