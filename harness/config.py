@@ -177,6 +177,9 @@ class TrainConfig:
     num_nodes: int = 1
     accelerator: str = "auto"
     strategy: str = "auto"
+    activation_checkpointing: bool = False
+    """Recompute each layer's attention or MLP activations in the backward pass instead of keeping them; the depth
+    mixer's state (every written value and what its reads keep) is kept, so the loss is the same bit for bit."""
     log_every_steps: int = 10
     val_every_steps: int = 50
     val_batches: int = 8

@@ -75,6 +75,7 @@ NOT_IDENTITY = {
         "devices",
         "num_nodes",
         "strategy",
+        "activation_checkpointing",
     ),
     "data": ("cache_dir",),
 }

@@ -145,6 +145,7 @@ def test_identity_ignores_what_does_not_change_the_trained_model(rng_seed):
         {"train": {"logger": "tensorboard", "log_every_steps": 3}},
         {"train": {"val_every_steps": rnd.randint(2, 9), "ckpt_every_steps": rnd.randint(2, 9)}},
         {"train": {"devices": 2, "num_nodes": 2, "strategy": "ddp"}},
+        {"train": {"activation_checkpointing": True}},
         {"slurm": {"partition": "gpu", "time_min": 5}},
         {"data": {"cache_dir": "/tmp/elsewhere"}},
     ]

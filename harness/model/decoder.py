@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from harness.config import ModelConfig
 from variants.ops.layers import RMSNorm
@@ -138,6 +139,10 @@ class Decoder(nn.Module):
         self.mixer = mixer
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # Activation checkpointing (train.activation_checkpointing): a layer's inner activations are recomputed in
+        # the backward pass. Only the layer is recomputed: the mixer's reads and writes, which may carry state of
+        # their own (a guard's precision, a trace), run once, and their state is kept.
+        self.checkpoint_layers = False
         self._init_weights()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -164,7 +169,10 @@ class Decoder(nn.Module):
         for l, layer in enumerate(self.layers):
             a = self.mixer.read(state, l)
             # Mixers may keep their streams in float32 under bf16 weights; layers compute in the model's dtype.
-            v = layer(a.to(e.dtype))
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                v = checkpoint(layer, a.to(e.dtype), use_reentrant=False)
+            else:
+                v = layer(a.to(e.dtype))
             state = self.mixer.write(state, l, v)
             if trace is not None:
                 trace.inputs.append(a.detach())

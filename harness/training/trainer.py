@@ -430,6 +430,7 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
     for noise in (".*does not have many workers.*", ".*The `srun` command is available.*", ".*LeafSpec.*"):
         warnings.filterwarnings("ignore", noise)  # advice that does not apply to these runs
     model = build_model(cfg.model, cfg.variant)
+    model.checkpoint_layers = cfg.train.activation_checkpointing
     total = total_steps(cfg)
     resume_from, resume_step = _resume_point(cfg, ckpt_path, model, resume, rank0)
     what = f"resuming at step {resume_step}" if resume_from else "starting"
