@@ -85,9 +85,12 @@ class AllocatorPeak:
 
 
 def tensor_bytes(tensors) -> int:
-    """Bytes of distinct tensor storages (a storage shared by several tensors counted once)."""
+    """Bytes of distinct tensor storages (a storage shared by several tensors counted once); of a sharded tensor,
+    the shard this process holds."""
     seen = {}
     for t in tensors:
+        if hasattr(t, "to_local"):
+            t = t.to_local()
         if isinstance(t, torch.Tensor):
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())

@@ -35,6 +35,7 @@ from harness.training.optim import (
     rng_states,
     set_rng_states,
 )
+from harness.training.sharding import is_sharded, shard
 from variants import kernels
 
 
@@ -105,6 +106,12 @@ class LitDecoder(pl.LightningModule):
 
     def forward(self, idx):
         return self.model(idx)
+
+    def configure_model(self):
+        # Only under train.strategy=fsdp (Lightning's model-parallel strategy gives the module its device mesh).
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None and not is_sharded(self.model.parameters()):
+            shard(self.model, mesh["data_parallel"])
 
     def training_step(self, batch, batch_idx):
         if int(batch["step"]) != self.global_step:

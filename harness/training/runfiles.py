@@ -26,6 +26,7 @@ from harness.io import (
 from harness.measure import AllocatorPeak, CoreLoad, live_training_bytes
 from harness.model.diagnostics import layer_stats, traced_forward
 from harness.training.budget import seq_len_of
+from harness.training.sharding import is_sharded, unsharded_copy
 from harness.units import duration
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
@@ -139,16 +140,19 @@ class RunFiles(pl.Callback):
             return
         val_loss, val_bpb = module.evaluate()
         row.update(val_loss=val_loss, val_bpb=val_bpb)
+        # A sharded model's forward is a collective: the statistics read a whole copy that every rank helps gather.
+        model = unsharded_copy(module.model, self.cfg) if is_sharded(module.model.parameters()) else module.model
         if trainer.is_global_zero:
-            _, trace = traced_forward(module.model, module.val_windows[:4, :-1].to(module.device))
+            device = next(model.parameters()).device
+            _, trace = traced_forward(model, module.val_windows[:4, :-1].to(device))
             grads = module.step_layer_grads if step else None
             self.layers_log.add(
                 [
                     {"step": step, **s, "grad_norm": None if grads is None else grads[l]}
-                    for l, s in enumerate(layer_stats(module.model, trace))
+                    for l, s in enumerate(layer_stats(model, trace))
                 ]
             )
-            learned = module.model.mixer.learned_statistics(trace)
+            learned = model.mixer.learned_statistics(trace)
             if learned:
                 self.depth_stats.append({"step": step, **learned})
                 atomic_write_text(

@@ -42,6 +42,7 @@ from harness.training.console import processes_text, quiet_lightning
 from harness.training.module import AtomicCheckpointIO, LitDecoder, StepBatches
 from harness.training.optim import accumulation, total_steps
 from harness.training.runfiles import DEPTH_STATS, RunFiles, StepCosts, StepProgressBar
+from harness.training.sharding import is_sharded, unsharded_copy
 from harness.training.signals import SyncedStop
 
 
@@ -77,7 +78,11 @@ def _trainer(cfg: RunConfig, callbacks: list, run_dir: Path, total: int, plain_l
         precision = "bf16-mixed" if accelerator in ("gpu", "cuda") else "32-true"
     env, ckpt_io = _cluster_environment(), AtomicCheckpointIO()
     world = t.devices * t.num_nodes
-    if t.strategy == "auto" and world > 1:
+    if t.strategy == "fsdp":
+        from harness.training.sharding import sharded_strategy
+
+        strategy, plugins = sharded_strategy(accelerator, world), [env, ckpt_io]
+    elif t.strategy == "auto" and world > 1:
         strategy = DDPStrategy(
             cluster_environment=env,
             checkpoint_io=ckpt_io,
@@ -469,6 +474,8 @@ def train(cfg: RunConfig, run_dir: str | os.PathLike, *, resume: bool = True) ->
         if rank0:
             rundir.write_status(run_dir, "diverged", step=d["step"], last_loss=files.last_loss, message=message)
         raise RunFailed(f"The run {message}.")
+    if is_sharded(model.parameters()):
+        model = unsharded_copy(model, cfg)  # every rank gathers; rank 0 reads the whole model below
     if rank0:
         wall = module.elapsed_before + (time.time() - start)
         _write_results(cfg, run_dir, model, module, trainer, files, costs, total, wall)

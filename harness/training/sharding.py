@@ -1,0 +1,64 @@
+"""Sharded training: FSDP2 (``torch.distributed.fsdp.fully_shard``) through Lightning's model-parallel strategy.
+
+Each layer of the decoder is its own shard unit and the rest (embedding, head, the depth mixer) one more, so the
+parameters, gradients and optimizer state are split over the processes. A checkpoint is gathered into one full
+state dict on rank 0, so a run resumes on any number of processes, sharded or not. FSDP2 runs on CPU processes
+over gloo too, which is how the tests run it on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def sharded_strategy(accelerator: str, world: int):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(
+        tensor_parallel_size=1,
+        data_parallel_size=world,
+        save_distributed_checkpoint=False,
+        process_group_backend="gloo" if accelerator == "cpu" else "nccl",
+    )
+
+
+def shard(model: torch.nn.Module, mesh) -> None:
+    """Shard every decoder layer, then the root (embedding, head, mixer), over the data-parallel mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's local shard (the tensor itself where it is not sharded)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def is_sharded(params) -> bool:
+    return any(hasattr(p, "to_local") for p in params)
+
+
+def all_sum(value: torch.Tensor) -> torch.Tensor:
+    """The sum over the processes of a per-process value (for sums of squares over local shards)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def unsharded_copy(model: torch.nn.Module, cfg) -> torch.nn.Module | None:
+    """A plain copy of a sharded decoder on rank 0's CPU (None on the other ranks), for what reads a whole model
+    outside the training step: the traced forward of the depth statistics and the final mixing matrix. Every rank
+    must call it, since gathering the parameters is a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from harness.model.factory import build_model
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    copy = build_model(cfg.model, cfg.variant)
+    copy.load_state_dict(state)
+    return copy.train(model.training)

@@ -1,0 +1,111 @@
+"""Sharded training (``train.strategy=fsdp``: FSDP2 through Lightning) on two CPU processes over gloo: the same
+curve as DDP, and a checkpoint that resumes on two sharded processes bit for bit and on one plain process within
+float tolerance (one process sums the whole batch's loss where two average their halves: a different reduction
+order, so the last bits move)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ddp")]
+
+SETTINGS = {
+    "max_steps": 6,
+    "log_every_steps": 1,
+    "val_every_steps": 6,
+    "val_batches": 1,
+    "ckpt_every_steps": 3,
+    "seq_len": 32,
+    "batch_size": 8,
+    "warmup_steps": 2,
+}
+
+
+def _train(out: Path, devices: int, strategy: str, cache: Path) -> subprocess.CompletedProcess:
+    command = [
+        str(Path(sys.executable).parent / "depthmem"),
+        "train",
+        "--preset",
+        "tiny",
+        "--variant",
+        "ldm-rls",
+        "--devices",
+        str(devices),
+        "--out",
+        str(out),
+        f"--set=train.strategy={strategy}",
+        *[f"--set=train.{k}={v}" for k, v in SETTINGS.items()],
+    ]
+    env = {**os.environ, "DEPTHMEM_CACHE": str(cache)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _curve(run: Path) -> list[tuple[float, ...]]:
+    with open(run / "metrics.csv", newline="") as f:
+        return [
+            tuple(float(r[k]) if r[k] else float("nan") for k in ("step", "train_loss", "val_loss", "grad_norm"))
+            for r in csv.DictReader(f)
+        ]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sharding")
+    cache = tmp_path_factory.getbasetemp().parent / "depthmem-cache"
+    sharded = tmp / "fsdp"
+    out = _train(sharded, 2, "fsdp", cache)
+    ddp = tmp / "ddp"
+    _train(ddp, 2, "auto", cache)
+    return tmp, cache, sharded, ddp, out
+
+
+def test_a_sharded_run_follows_the_ddp_curve(runs):
+    _, _, sharded, ddp, out = runs
+    assert "on 2 processes (strategy fsdp)" in out.stdout.splitlines()[0]
+    got, want = _curve(sharded), _curve(ddp)
+    assert len(got) == len(want) == SETTINGS["max_steps"] + 1
+    for a, b in zip(got, want):
+        assert a == pytest.approx(b, rel=1e-6, nan_ok=True)
+    # the same summary, written from a whole copy of the sharded model
+    summary = json.loads((sharded / "summary.json").read_text())
+    assert summary["params"] == json.loads((ddp / "summary.json").read_text())["params"]
+    assert (sharded / "mixing.json").is_file()
+
+
+def _from_step_3(src: Path, dst: Path) -> Path:
+    """The run as it was at its step-3 checkpoint (kept as the previous one beside the last), marked interrupted."""
+    shutil.copytree(src, dst)
+    ckpt = dst / "ckpt"
+    for suffix in ("", ".sha256"):
+        os.replace(ckpt / f"last.previous.ckpt{suffix}", ckpt / f"last.ckpt{suffix}")
+    status = json.loads((dst / "status.json").read_text())
+    status.update(state="interrupted", ckpt_step=3)
+    (dst / "status.json").write_text(json.dumps(status))
+    for name in ("summary.json", "summary.json.sha256"):
+        (dst / name).unlink()
+    return dst
+
+
+@pytest.mark.parametrize("devices, strategy", [(2, "fsdp"), (1, "auto")])
+def test_a_sharded_checkpoint_resumes_on_two_processes_and_on_one(runs, devices, strategy):
+    tmp, cache, sharded, _, _ = runs
+    resumed = _from_step_3(sharded, tmp / f"resumed-{devices}")
+    out = _train(resumed, devices, strategy, cache)
+    assert "resuming at step 3" in out.stdout
+    got, want = _curve(resumed), _curve(sharded)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    if devices == 2:  # the same processes and reduction order: bit for bit
+        assert [repr(g[1:3]) for g in got] == [repr(w[1:3]) for w in want]  # repr: NaN (no value) equals NaN
+    else:
+        for a, b in zip(got, want):
+            assert a[1:3] == pytest.approx(b[1:3], rel=1e-6, nan_ok=True)
