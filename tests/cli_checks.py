@@ -57,3 +57,15 @@ def dry_run_text(capsys, tmp_path, profile: str, variants: list[str], results) -
     )
     assert cli_main(["sweep", str(grid), "--dry-run", "--results", str(results)]) == 0
     return capsys.readouterr().out
+
+
+def tiny_train_command(variant: str, devices: int, out, train: dict) -> list[str]:
+    """``depthmem train`` of ``variant`` at the tiny preset on ``devices`` processes into ``out``, with ``train``
+    as ``train.KEY=VALUE`` settings: the command line a multi-process test starts (Lightning starts the other
+    processes by running it again)."""
+    import sys
+    from pathlib import Path
+
+    depthmem = str(Path(sys.executable).parent / "depthmem")
+    command = [depthmem, "train", "--preset", "tiny", "--variant", variant, "--devices", str(devices)]
+    return command + ["--out", str(out), *(f"--set=train.{k}={v}" for k, v in train.items())]

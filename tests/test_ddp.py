@@ -7,11 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_checks import tiny_train_command
 
 from harness.config import build_config
 from harness.training.trainer import train
@@ -42,19 +42,7 @@ def test_two_processes_match_one_process(variant, tmp_path, tmp_path_factory):
         "batch_size": 8,
         "warmup_steps": 2,
     }
-    command = [
-        str(Path(sys.executable).parent / "depthmem"),
-        "train",
-        "--preset",
-        "tiny",
-        "--variant",
-        variant,
-        "--devices",
-        "2",
-        "--out",
-        str(tmp_path / "ddp"),
-        *[f"--set=train.{k}={v}" for k, v in settings.items()],
-    ]
+    command = tiny_train_command(variant, 2, tmp_path / "ddp", settings)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     # one start line naming the processes, one closing line, and none of Lightning's per-process greetings
@@ -93,8 +81,7 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_the_run_resumes(
     run = tmp_path / "ddp"
     settings = {"max_steps": 120, "log_every_steps": 5, "val_every_steps": 60, "val_batches": 1}
     settings |= {"ckpt_every_steps": 60, "seq_len": 32, "batch_size": 8, "warmup_steps": 2}
-    command = [str(Path(sys.executable).parent / "depthmem"), "train", "--preset", "tiny", "--devices", "2"]
-    command += ["--out", str(run), *[f"--set=train.{k}={v}" for k, v in settings.items()]]
+    command = tiny_train_command("preln", 2, run, settings)
     proc = subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

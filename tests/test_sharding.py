@@ -10,10 +10,10 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_checks import tiny_train_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ddp")]
 
@@ -30,20 +30,7 @@ SETTINGS = {
 
 
 def _train(out: Path, devices: int, strategy: str, cache: Path) -> subprocess.CompletedProcess:
-    command = [
-        str(Path(sys.executable).parent / "depthmem"),
-        "train",
-        "--preset",
-        "tiny",
-        "--variant",
-        "ldm-rls",
-        "--devices",
-        str(devices),
-        "--out",
-        str(out),
-        f"--set=train.strategy={strategy}",
-        *[f"--set=train.{k}={v}" for k, v in SETTINGS.items()],
-    ]
+    command = tiny_train_command("ldm-rls", devices, out, {"strategy": strategy, **SETTINGS})
     env = {**os.environ, "DEPTHMEM_CACHE": str(cache)}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
