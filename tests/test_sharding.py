@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 from cli_checks import tiny_train_command
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ddp")]
-
 SETTINGS = {
     "max_steps": 6,
     "log_every_steps": 1,
@@ -56,6 +54,26 @@ def runs(tmp_path_factory):
     return tmp, cache, sharded, ddp, out
 
 
+@pytest.mark.parametrize(
+    "preset, world, strategy, chosen",
+    [
+        ("gpt2-large", 8, "auto", "ddp"),  # 774M: a replica's 12 GB of weights, gradients and moments fit
+        ("1.3b", 8, "auto", "fsdp"),
+        ("1.3b", 1, "auto", "single"),
+        ("tiny", 2, "fsdp", "fsdp"),
+        ("1.3b", 8, "ddp", "ddp"),
+    ],
+)
+def test_auto_shards_from_a_billion_parameters(preset, world, strategy, chosen):
+    from harness.config import model_preset
+    from harness.model.costs import preln_params
+    from harness.training.sharding import resolved_strategy
+
+    assert resolved_strategy(strategy, world, preln_params(model_preset(preset))) == chosen
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ddp")
 def test_a_sharded_run_follows_the_ddp_curve(runs):
     _, _, sharded, ddp, out = runs
     assert "on 2 processes (strategy fsdp)" in out.stdout.splitlines()[0]
@@ -83,6 +101,8 @@ def _from_step_3(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("ddp")
 @pytest.mark.parametrize("devices, strategy", [(2, "fsdp"), (1, "auto")])
 def test_a_sharded_checkpoint_resumes_on_two_processes_and_on_one(runs, devices, strategy):
     tmp, cache, sharded, _, _ = runs

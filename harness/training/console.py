@@ -33,7 +33,11 @@ def processes_text(cfg: RunConfig) -> str:
     if world == 1:
         return ""
     nodes = f" on {cfg.train.num_nodes} nodes" if cfg.train.num_nodes > 1 else ""
-    strategy = "auto: DDP" if cfg.train.strategy == "auto" else cfg.train.strategy
+    from harness.model.costs import preln_params
+    from harness.training.sharding import resolved_strategy
+
+    chosen = resolved_strategy(cfg.train.strategy, world, preln_params(cfg.model))
+    strategy = f"auto: {chosen.upper()}" if cfg.train.strategy == "auto" else cfg.train.strategy
     return f", on {world} processes{nodes} (strategy {strategy})"
 
 

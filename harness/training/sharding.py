@@ -11,6 +11,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+SHARD_FROM_PARAMS = 1_000_000_000
+"""``train.strategy=auto`` shards a multi-process run from this many parameters on: a DDP replica holds 16 bytes per
+parameter (float32 weights and gradients, AdamW's two moments), 16 GB at a billion, before any activation."""
+
+
+def resolved_strategy(strategy: str, world: int, params: int) -> str:
+    """What ``train.strategy`` means for a run of ``world`` processes and ``params`` parameters: ``auto`` is one
+    process alone, DDP below ``SHARD_FROM_PARAMS`` and ``fsdp`` from there; any other value is itself."""
+    if strategy != "auto":
+        return strategy
+    if world == 1:
+        return "single"
+    return "fsdp" if params >= SHARD_FROM_PARAMS else "ddp"
+
 
 def sharded_strategy(accelerator: str, world: int):
     from lightning.pytorch.strategies import ModelParallelStrategy

@@ -36,13 +36,14 @@ from harness.io import (
 )
 from harness.model import diagnostics
 from harness.model.checkpoint import read_checkpoint, usable_checkpoint
+from harness.model.costs import preln_params
 from harness.model.factory import build_model
 from harness.training.budget import seq_len_of
 from harness.training.console import processes_text, quiet_lightning
 from harness.training.module import AtomicCheckpointIO, LitDecoder, StepBatches
 from harness.training.optim import accumulation, total_steps
 from harness.training.runfiles import DEPTH_STATS, RunFiles, StepCosts, StepProgressBar
-from harness.training.sharding import is_sharded, unsharded_copy
+from harness.training.sharding import is_sharded, resolved_strategy, sharded_strategy, unsharded_copy
 from harness.training.signals import SyncedStop
 
 
@@ -78,11 +79,10 @@ def _trainer(cfg: RunConfig, callbacks: list, run_dir: Path, total: int, plain_l
         precision = "bf16-mixed" if accelerator in ("gpu", "cuda") else "32-true"
     env, ckpt_io = _cluster_environment(), AtomicCheckpointIO()
     world = t.devices * t.num_nodes
-    if t.strategy == "fsdp":
-        from harness.training.sharding import sharded_strategy
-
+    chosen = resolved_strategy(t.strategy, world, preln_params(cfg.model))
+    if chosen == "fsdp":
         strategy, plugins = sharded_strategy(accelerator, world), [env, ckpt_io]
-    elif t.strategy == "auto" and world > 1:
+    elif chosen == "ddp" and t.strategy == "auto":
         strategy = DDPStrategy(
             cluster_environment=env,
             checkpoint_io=ckpt_io,
