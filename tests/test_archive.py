@@ -174,6 +174,7 @@ def test_a_cut_archive_keeps_the_runs_before_the_cut_and_says_so(sweep_dir, tmp_
     [
         ("experiments/reference.yaml", "results/reference/study"),
         ("experiments/reference-protocol.yaml", "results/reference/protocol"),
+        ("experiments/residual-write.yaml", "results/reference/residual-write"),
     ],
 )
 def test_committed_reference_tables_come_from_their_committed_archive(tmp_path, monkeypatch, grid, folder):

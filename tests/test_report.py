@@ -633,3 +633,19 @@ def test_a_result_file_that_changed_after_saving_is_named_and_left_out(tmp_path,
         "Left out preln/run-s1/summary.json: it does not match the checksum written when it was saved "
         "(summary.json.sha256), so its bytes changed on disk after saving." in sweep.notes
     )
+
+
+def test_a_key_an_older_run_lacks_counts_as_its_default(tmp_path, rng_seed):
+    """A run written before a config key existed and one that holds the key's default are the same setting; one
+    that sets another value is not."""
+    rng = np.random.default_rng(rng_seed)
+    for seed in (0, 1, 2):
+        _write_run(tmp_path / "sweep" / f"run-s{seed}", "preln", seed, "done", "", rng)
+    for seed, value in ((1, False), (2, True)):
+        path = tmp_path / "sweep" / f"run-s{seed}" / "config.json"
+        config = json.loads(path.read_text())
+        config["train"]["activation_checkpointing"] = value
+        path.write_text(json.dumps(config))
+    runs = {r.run_id: r.setting for r in load_sweep(tmp_path / "sweep").runs}
+    assert runs["run-s0"] == runs["run-s1"]
+    assert runs["run-s0"] != runs["run-s2"] and "activation_checkpointing" in runs["run-s2"]

@@ -10,6 +10,7 @@ split into its base variant and knobs; tables and figures consume that frame and
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -214,13 +215,26 @@ def split_variant(spec: str, notes: list[str] | None = None) -> tuple[str, str, 
     return canonical, base, knobs
 
 
+@functools.cache
+def _config_defaults() -> dict[str, Any]:
+    """The flattened default of every train, data and eval key (model keys follow the preset each run names)."""
+    from harness.config import build_config
+
+    defaults = flatten(build_config({}).to_dict())
+    return {k: v for k, v in defaults.items() if k.split(".")[0] in ("train", "data", "eval")}
+
+
 def _settings(runs: list[Run], tuned: set[str] = frozenset()) -> dict[str, str]:
     """Label every run with the config keys (other than variant and seed) in which the sweep's runs differ; keys a
     tuning stage chose per variant (``tuned``) are left out, so variants tuned to different values still compare."""
     flat = []
+    defaults = _config_defaults()
     for run in runs:
+        # A key that a run's config lacks (it was written before the key existed) holds its default there.
         f = {
-            k: v for k, v in flatten(run.config).items() if k not in IGNORED_KEYS and not k.startswith(IGNORED_PREFIXES)
+            k: v
+            for k, v in {**defaults, **flatten(run.config)}.items()
+            if k not in IGNORED_KEYS and not k.startswith(IGNORED_PREFIXES)
         }
         flat.append(f)
     keys = sorted({k for f in flat for k in f})
