@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import variants
 from harness import rundir
 from harness.cli import main as cli_main
-from harness.config import build_config
+from harness.config import build_config, model_preset
 from harness.data import corpus as D
 from harness.data import shards
 from harness.errors import RunFailed, UsageError
@@ -340,6 +340,24 @@ def test_global_grad_norm_matches_the_float64_norm(rng_seed):
     assert global_grad_norm([g.bfloat16() for g in grads]) == pytest.approx(
         float(torch.linalg.vector_norm(torch.cat([g.bfloat16().double().flatten() for g in grads]))), rel=1e-5
     )
+
+
+def test_layer_grad_norms_match_float64_and_stay_a_device_tensor(rng_seed):
+    from harness.training.optim import layer_grad_norms
+
+    torch.manual_seed(rng_seed)
+    model = build_model(model_preset("tiny"), "ldm-rls")
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 17))
+    F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+    model.layers[1].norm.weight.grad = None  # a parameter without a gradient yet counts nothing
+    norms = layer_grad_norms(model)
+    assert isinstance(norms, torch.Tensor) and norms.shape == (model.n_layers,)
+    for layer, got in zip(model.layers, norms.tolist()):
+        grads = [p.grad.double().flatten() for p in layer.parameters() if p.grad is not None]
+        assert got == pytest.approx(float(torch.linalg.vector_norm(torch.cat(grads))), rel=1e-6)
+    for p in model.parameters():
+        p.grad = None
+    assert layer_grad_norms(model).tolist() == [0.0] * model.n_layers
 
 
 def test_budget_is_the_same_for_every_variant_of_a_size():

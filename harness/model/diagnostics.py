@@ -33,22 +33,6 @@ def layer_stats(model: Decoder, trace: Trace) -> list[dict]:
     ]
 
 
-def layer_grad_norms(model: Decoder) -> list[float]:
-    """L2 norm of each layer's parameter gradients (0 where a layer has none yet)."""
-    grads = [[p.grad for p in layer.parameters() if p.grad is not None] for layer in model.layers]
-    device = next((g[0].device for g in grads if g), torch.device("cpu"))
-    sq = torch.zeros(len(grads), dtype=torch.float64, device=device)
-    sharded = False
-    for i, layer_grads in enumerate(grads):
-        for g in layer_grads:
-            if hasattr(g, "to_local"):  # a sharded run's gradient: this process's shard
-                g, sharded = g.to_local(), True
-            sq[i] += g.double().pow(2).sum()
-    if sharded:
-        torch.distributed.all_reduce(sq)
-    return sq.sqrt().tolist()
-
-
 @torch.no_grad()
 def mixing_summary(model: Decoder, idx: torch.Tensor) -> dict:
     """The depth-mixing matrix on a batch, averaged over tokens: per group and over groups (JSON-ready).

@@ -23,13 +23,13 @@ from torch import nn
 from harness.config import RunConfig
 from harness.data import corpus as datalib
 from harness.model.checkpoint import save_with_checksum
-from harness.model.diagnostics import layer_grad_norms
 from harness.training.budget import seq_len_of
 from harness.training.optim import (
     accumulation,
     compiles,
     divergence,
     global_grad_norm,
+    layer_grad_norms,
     lr_factor,
     param_groups,
     rng_states,
@@ -100,7 +100,7 @@ class LitDecoder(pl.LightningModule):
         self.step_loss: float | None = None
         self.step_grad_norm: float | None = None
         self.step_lr: float | None = None
-        self.step_layer_grads: list[float] | None = None
+        self.step_layer_grads: torch.Tensor | None = None  # per layer, on the device until a validation logs it
         self.diverged: dict | None = None
         self._loss_sum: torch.Tensor | None = None  # summed over the passes of the current step
 

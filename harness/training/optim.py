@@ -18,6 +18,7 @@ from torch import nn
 from harness.config import RunConfig
 from harness.errors import UsageError
 from harness.training import budget
+from harness.training.sharding import local
 
 
 def lr_factor(step: int, *, total: int, warmup: int, schedule: str, min_ratio: float, decay_fraction: float) -> float:
@@ -81,27 +82,42 @@ def accumulation(cfg: RunConfig) -> int:
     return t.batch_size // (world * micro)
 
 
-def global_grad_norm(grads: list[torch.Tensor], block: int = 4096) -> float:
-    """L2 norm of all gradients together, to float64 accuracy without a float64 copy of them.
+def squared_norms(groups: list[list[torch.Tensor]], block: int = 4096) -> torch.Tensor:
+    """The sum of squares of each group's gradients, as one float64 tensor on their device (0 for an empty group),
+    to float64 accuracy without a float64 copy of them; nothing is read back to the host.
 
     Each run of ``block`` entries is reduced in its own precision (relative error ~1e-7 over a block, not over
     millions of entries) and the block sums are added in float64: about ten times cheaper per step than
-    converting every gradient to float64, which took ~2 % of a ``small`` training step on CPU.
+    converting every gradient to float64, which took ~2 % of a ``small`` training step on CPU. A sharded run's
+    gradients are each process's shard, so the sums are added over the processes (every rank must call this).
     """
-    # A sharded run's gradients are each process's shard: the squares are summed over the processes.
-    sharded = any(hasattr(g, "to_local") for g in grads)
-    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
-    for g in grads:
-        flat = g.reshape(-1)
-        k = flat.numel() // block * block
-        if k:
-            low = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None  # accumulate in float32
-            total += torch.linalg.vector_norm(flat[:k].view(-1, block), dim=1, dtype=low).double().square().sum()
-        total += flat[k:].double().square().sum()
+    flat_groups = [g for group in groups for g in group]
+    sharded = any(hasattr(g, "to_local") for g in flat_groups)
+    device = flat_groups[0].device if flat_groups else None
+    totals = torch.zeros(len(groups), dtype=torch.float64, device=device)
+    for i, group in enumerate(groups):
+        for g in map(local, group):
+            flat = g.reshape(-1)
+            k = flat.numel() // block * block
+            if k:
+                low = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None  # accumulate in float32
+                blocks = torch.linalg.vector_norm(flat[:k].view(-1, block), dim=1, dtype=low)
+                totals[i] += blocks.double().square().sum()
+            totals[i] += flat[k:].double().square().sum()
     if sharded:
-        torch.distributed.all_reduce(total)
-    return float(total.sqrt())
+        torch.distributed.all_reduce(totals)
+    return totals
+
+
+def global_grad_norm(grads: list[torch.Tensor], block: int = 4096) -> float:
+    """L2 norm of all gradients together (``squared_norms``), read back as a number."""
+    return float(squared_norms([grads], block)[0].sqrt())
+
+
+def layer_grad_norms(model) -> torch.Tensor:
+    """L2 norm of each decoder layer's parameter gradients (0 where a layer has none yet), left on the device:
+    whoever logs them reads them back where it waits for the device anyway."""
+    return squared_norms([[p.grad for p in layer.parameters() if p.grad is not None] for layer in model.layers]).sqrt()
 
 
 def divergence(step: int, loss: float, grad_norm: float, limit: float) -> str | None:

@@ -145,7 +145,7 @@ class RunFiles(pl.Callback):
         if trainer.is_global_zero:
             device = next(model.parameters()).device
             _, trace = traced_forward(model, module.val_windows[:4, :-1].to(device))
-            grads = module.step_layer_grads if step else None
+            grads = module.step_layer_grads.tolist() if step and module.step_layer_grads is not None else None
             self.layers_log.add(
                 [
                     {"step": step, **s, "grad_norm": None if grads is None else grads[l]}

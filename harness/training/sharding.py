@@ -55,13 +55,6 @@ def is_sharded(params) -> bool:
     return any(hasattr(p, "to_local") for p in params)
 
 
-def all_sum(value: torch.Tensor) -> torch.Tensor:
-    """The sum over the processes of a per-process value (for sums of squares over local shards)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value
-
-
 def unsharded_copy(model: torch.nn.Module, cfg) -> torch.nn.Module | None:
     """A plain copy of a sharded decoder on rank 0's CPU (None on the other ranks), for what reads a whole model
     outside the training step: the traced forward of the depth statistics and the final mixing matrix. Every rank
