@@ -9,8 +9,10 @@ node), and must follow a one-process run of the same global batch; a requeued 2-
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
+import shutil
 import subprocess
 import textwrap
 import time
@@ -200,17 +202,21 @@ def test_a_requeued_two_node_job_resumes(submitted):
     )
 
 
-def test_a_sharded_two_node_run_follows_the_ddp_run(submitted):
-    """The same grid with ``train.strategy=fsdp``: parameters, gradients and optimizer state split over the two
-    nodes, the curve the DDP run of the same seed followed, within float tolerance (gradients are reduce-scattered
-    rather than all-reduced, so the last bits of a sum may move)."""
-    tmp, root, runs, _ = submitted
-    profile = tmp / "two-nodes.yaml"
+@pytest.fixture(scope="module")
+def sharded(submitted) -> Path:
+    """Seed 0 again with ``train.strategy=fsdp``: parameters, gradients and optimizer state split over the two
+    nodes."""
+    tmp, root, _, _ = submitted
     grid = tmp / "sharded.yaml"
-    train = {**TRAIN, "strategy": "fsdp"}
-    grid.write_text(
-        textwrap.dedent(f"""
-        name: sharded
+    grid.write_text(_grid("sharded", tmp / "two-nodes.yaml", {**TRAIN, "strategy": "fsdp"}))
+    assert main(["sweep", str(grid), "--executor", "slurm", "--results", str(root), "--wait"]) == 0
+    (entry,) = read_json(root / "sharded" / "sweep.json")["runs"]
+    return root / "sharded" / entry["run_id"]
+
+
+def _grid(name: str, profile: Path, train: dict) -> str:
+    return textwrap.dedent(f"""
+        name: {name}
         profile: {profile}
         base:
           model: {{preset: tiny}}
@@ -218,11 +224,13 @@ def test_a_sharded_two_node_run_follows_the_ddp_run(submitted):
         axes:
           train.seed: [0]
         """)
-    )
-    assert main(["sweep", str(grid), "--executor", "slurm", "--results", str(root), "--wait"]) == 0
-    (entry,) = read_json(root / "sharded" / "sweep.json")["runs"]
-    run_dir = root / "sharded" / entry["run_id"]
-    status = read_status(run_dir)
+
+
+def test_a_sharded_two_node_run_follows_the_ddp_run(submitted, sharded):
+    """The sharded run follows the DDP run of the same seed within float tolerance (gradients are reduce-scattered
+    rather than all-reduced, so the last bits of a sum may move)."""
+    _, root, runs, _ = submitted
+    status = read_status(sharded)
     assert status["state"] == "done", f"{status}\n{_job_logs(root, str(status.get('job_id')), 'sharded')}"
     assert (
         "on 2 processes on 2 nodes (strategy fsdp)"
@@ -230,6 +238,55 @@ def test_a_sharded_two_node_run_follows_the_ddp_run(submitted):
     )
     ddp = root / "nodes" / runs[0]
     for name in ("train_loss", "val_loss", "grad_norm"):
-        got, want = _column(run_dir / "metrics.csv", name), _column(ddp / "metrics.csv", name)
+        got, want = _column(sharded / "metrics.csv", name), _column(ddp / "metrics.csv", name)
         assert len(got) == len(want) > 0
         assert got == pytest.approx(want, rel=1e-5), name
+
+
+def _at_previous_checkpoint(src: Path, dst: Path) -> int:
+    """Copy the run as it was at its previous checkpoint (kept beside the last), marked interrupted; its step."""
+    shutil.copytree(src, dst)
+    ckpt = dst / "ckpt"
+    for suffix in ("", ".sha256"):
+        os.replace(ckpt / f"last.previous.ckpt{suffix}", ckpt / f"last.ckpt{suffix}")
+    step = STEPS - TRAIN["ckpt_every_steps"]
+    status = read_json(dst / "status.json")
+    status.update(state="interrupted", ckpt_step=step, job_id=None)
+    (dst / "status.json").write_text(json.dumps(status))
+    for name in ("summary.json", "summary.json.sha256"):
+        (dst / name).unlink()
+    return step
+
+
+@pytest.mark.parametrize("nodes, strategy", [(2, "fsdp"), (1, "auto")], ids=["two-sharded-nodes", "one-process"])
+def test_a_sharded_checkpoint_resumes_across_two_nodes_and_on_one_process(submitted, sharded, nodes, strategy):
+    """The sharded run's checkpoint, moved into a sweep of another layout, resumes there through SLURM: on the two
+    nodes sharded again, bit for bit (the same processes and reduction order); on one process of one node, within
+    1e-6 (one process sums the whole batch's loss where two average their halves)."""
+    tmp, root, _, _ = submitted
+    name = f"moved-{nodes}"
+    profile = tmp / "two-nodes.yaml"
+    if nodes == 1:
+        profile = tmp / "one-node.yaml"
+        profile.write_text(
+            "partition: multi\nnodes: 1\ntasks_per_node: 1\ncpus_per_task: 1\nmem_gb: 2\ntime_min: 20\n"
+            "setup: ['export OMP_NUM_THREADS=1']\n"
+        )
+    moved = root / name / sharded.name
+    step = _at_previous_checkpoint(sharded, moved)
+    grid = tmp / f"{name}.yaml"
+    grid.write_text(_grid(name, profile, {**TRAIN, "strategy": strategy}))
+    assert main(["sweep", str(grid), "--executor", "slurm", "--results", str(root), "--wait"]) == 0
+    status = read_status(moved)
+    job = str(status.get("job_id"))
+    assert status["state"] == "done", f"{status}\n{_job_logs(root, job, name)}"
+    log = (root / name / "jobs" / f"{job}_0_log.out").read_text()
+    assert f"resuming at step {step}" in log
+    assert ("on 2 processes on 2 nodes (strategy fsdp)" in log) == (nodes == 2)
+    for column in ("train_loss", "val_loss"):
+        got, want = _column(moved / "metrics.csv", column), _column(sharded / "metrics.csv", column)
+        assert len(got) == len(want) > 0
+        if nodes == 2:
+            assert [repr(v) for v in got] == [repr(v) for v in want], column
+        else:
+            assert got == pytest.approx(want, rel=1e-6), column

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 from harness.commands import add_results_option
@@ -72,6 +74,13 @@ def add_parser(sub):
         action="store_true",
         help="print the runs and the resources requested, checking sbatch and the partition for "
         "--executor slurm; submit nothing",
+    )
+    p.add_argument(
+        "--memory-plan",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --dry-run: simulate one training step of each model on shapes alone and print the memory per "
+        "process and the micro batch that fits 40, 80 and 141 GB cards (default: when the profile asks for GPUs)",
     )
     wait = p.add_mutually_exclusive_group()
     wait.add_argument(
@@ -146,7 +155,7 @@ def run(args) -> int:
             parallelism=args.parallelism,
             overrides=overrides,
         )
-        print(describe_plan(p))
+        print(describe_plan(p, memory=args.memory_plan, log=lambda m: print(m, file=sys.stderr, flush=True)))
         if args.executor == "slurm":  # asked for explicitly: can this machine submit it, and is the partition known?
             check_executor(p.executor, p.profile)
         return 0

@@ -75,8 +75,10 @@ def announce_plan(p: Plan, log) -> None:
         log("nothing to submit.")
 
 
-def describe_plan(p: Plan) -> str:
-    """The dry-run text: every run with its grid values and decision, then the resources each job asks for."""
+def describe_plan(p: Plan, memory: bool | None = None, log=None) -> str:
+    """The dry-run text: every run with its grid values and decision, then the resources each job asks for, what it
+    costs and, where the profile asks for GPUs (or ``memory`` is true), the memory plan per card; ``log`` hears
+    that the plan's simulations start."""
 
     lines = _describe_tuning(p) if p.tuning is not None else []
     tuned = p.grid.tune is not None
@@ -124,6 +126,10 @@ def describe_plan(p: Plan) -> str:
     from harness.sweeps.estimate import describe_costs
 
     lines.append(describe_costs(p.runs, pr, measured_steps(p)))
+    if memory or (memory is None and pr.gpus_per_node > 0):
+        from harness.sweeps.estimate import describe_memory
+
+        lines.append(describe_memory([*(p.tuning.runs if p.tuning else []), *p.runs], pr.gpu_mem_gb, log))
     if p.tuning is not None:
         lines.append(_both_stages(p))
     if p.backfill:

@@ -100,3 +100,67 @@ def describe_costs(runs, profile, steps_csv: Path | None = None) -> str:
         wall = units.duration(total_hours / len(costs) / gpus * 3600)
         lines[-1] += f"; {wall} of wall time per run on its {gpus} GPU(s)"
     return "\n".join(lines)
+
+
+def describe_memory(runs, card_gb: float = 0, log=None) -> str:
+    """The dry run's memory block: per distinct model, micro batch and strategy, one process's peak and the largest
+    micro batch each card holds (``harness.training.memory_plan``), then a warning for each that does not fit the
+    profile's card (``card_gb``; where it is 0, the largest card). ``log`` hears how many models are simulated
+    before the simulations start."""
+    from harness.training.memory_plan import CARDS_GB, HEADROOM, distinct_models, plans
+
+    if log:
+        log(f"memory plan: simulating a training step of {distinct_models([r.cfg for r in runs])} model(s) on shapes")
+    planned = plans([r.cfg for r in runs])
+    card = card_gb or max(CARDS_GB)
+    cards = sorted({*CARDS_GB, card})
+    rows, warnings, seen = [], [], {}
+    for r, m in zip(runs, planned):
+        key = (r.cfg.variant, repr(r.cfg.model), m)
+        if key in seen:
+            seen[key]["runs"] += 1
+            continue
+        c = r.cfg.model
+        row = {
+            "variant": r.cfg.variant,
+            "model": f"{c.n_blocks}x{c.d_model}",
+            "params": units.si(m.params),
+            "runs": 1,
+            "strategy": m.strategy,
+            "processes": m.world,
+            "ckpt": "yes" if m.checkpointing else "no",
+            "micro_batch": m.micro_batch,
+            "per_process": units.si(m.peak(), "B"),
+            "per_sequence": units.si(m.per_sequence, "B"),
+            **{f"fits_{g:g}GB": m.fits(g) for g in cards},
+        }
+        seen[key] = row
+        rows.append(row)
+        if m.fits(card) < m.micro_batch:
+            warnings.append(_does_not_fit(r.cfg.variant, row["model"], m, card))
+    lines = [
+        "memory per process (one training step simulated on shapes: weights, AdamW state, activations and "
+        "temporaries at the run's micro batch, bf16-mixed on a card; fits_*: the largest micro batch with "
+        f"{HEADROOM:.0%} of the card aside):",
+        format_rows(rows, list(rows[0]) if rows else []),
+    ]
+    return "\n".join(lines + warnings)
+
+
+def _does_not_fit(variant: str, model: str, m, card: float) -> str:
+    from harness.training.memory_plan import HEADROOM
+
+    fits = m.fits(card)
+    if fits:
+        remedy = f"set train.micro_batch_size={fits} or lower"
+    else:
+        remedy = []
+        if m.strategy != "fsdp":
+            remedy.append("shard it (train.strategy=fsdp)")
+        if not m.checkpointing:
+            remedy.append("checkpoint its layers (train.activation_checkpointing=true)")
+        remedy = ", ".join(remedy + ["shorten its sequences or take a larger card"])
+    return (
+        f"warning: {variant} at {model} needs {units.si(m.peak(), 'B')} per process at micro batch {m.micro_batch}, "
+        f"more than a {card:g} GB card holds with {HEADROOM:.0%} aside; {remedy}"
+    )

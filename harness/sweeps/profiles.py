@@ -44,6 +44,9 @@ class Profile(SlurmConfig):
     """Assumed share of that peak a run reaches, for the same estimate."""
     micro_batch_size: int = 0
     """Sequences per GPU in one pass (train.micro_batch_size; 0: the whole per-GPU share): what fits the card."""
+    gpu_mem_gb: float = 0.0
+    """Memory of one card in GB (40, 80, 141); the dry run's memory plan warns of runs that do not fit it. 0: not
+    said, and only runs that fit no card are warned of."""
 
     def __post_init__(self):
         for name in ("time_min", "nodes", "tasks_per_node", "cpus_per_task", "array_parallelism"):
@@ -55,6 +58,11 @@ class Profile(SlurmConfig):
             raise UsageError(
                 f"The profile {self.name!r} needs micro_batch_size as zero or a positive integer, "
                 f"got {self.micro_batch_size!r}."
+            )
+        if not isinstance(self.gpu_mem_gb, (int, float)) or self.gpu_mem_gb < 0:
+            raise UsageError(
+                f"The profile {self.name!r} needs gpu_mem_gb as a card's memory in GB (e.g. 80), or 0 when not "
+                f"said, got {self.gpu_mem_gb!r}."
             )
         if not (self.gpu_peak_tflops > 0 and 0 < self.utilisation <= 1):
             raise UsageError(

@@ -29,6 +29,7 @@ import torch
 
 MODES = ("auto", "on", "off")
 _mode = "auto"
+_as_on_card = False
 
 
 TRITON = importlib.util.find_spec("triton") is not None
@@ -59,11 +60,24 @@ def mode(name: str):
         set_mode(before)
 
 
+@contextlib.contextmanager
+def as_on_card():
+    """Take every device for a CUDA card inside the block, so that fake tensors (shapes without storage, as the
+    training memory plan simulates a step with) take the path a card takes: each fused op's fake implementation
+    allocates what its kernel would, and its autograd saves what the kernel's backward reads."""
+    global _as_on_card
+    before, _as_on_card = _as_on_card, True
+    try:
+        yield
+    finally:
+        _as_on_card = before
+
+
 def runs_on(device: torch.device) -> bool:
     """Whether the fused kernels run on ``device`` in the current mode."""
     if _mode == "off" or not TRITON:
         return False
-    if device.type == "cuda":
+    if device.type == "cuda" or _as_on_card:
         return True
     return _mode == "on" and device.type == "cpu" and interpreting()
 
