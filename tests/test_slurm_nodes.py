@@ -258,33 +258,46 @@ def _at_previous_checkpoint(src: Path, dst: Path) -> int:
     return step
 
 
-@pytest.mark.parametrize("nodes, strategy", [(2, "fsdp"), (1, "auto")], ids=["two-sharded-nodes", "one-process"])
-def test_a_sharded_checkpoint_resumes_across_two_nodes_and_on_one_process(submitted, sharded, nodes, strategy):
-    """The sharded run's checkpoint, moved into a sweep of another layout, resumes there through SLURM: on the two
-    nodes sharded again, bit for bit (the same processes and reduction order); on one process of one node, within
-    1e-6 (one process sums the whole batch's loss where two average their halves)."""
+@pytest.fixture(scope="module")
+def moved(submitted, sharded) -> dict[int, tuple[Path, str, int]]:
+    """The sharded run's checkpoint moved into two sweeps of other layouts and resumed there through SLURM at once:
+    on the two nodes sharded again, and on one process of one node. Per number of nodes: the run, its sweep, the
+    step it resumed from."""
     tmp, root, _, _ = submitted
-    name = f"moved-{nodes}"
-    profile = tmp / "two-nodes.yaml"
-    if nodes == 1:
-        profile = tmp / "one-node.yaml"
-        profile.write_text(
-            "partition: multi\nnodes: 1\ntasks_per_node: 1\ncpus_per_task: 1\nmem_gb: 2\ntime_min: 20\n"
-            "setup: ['export OMP_NUM_THREADS=1']\n"
-        )
-    moved = root / name / sharded.name
-    step = _at_previous_checkpoint(sharded, moved)
-    grid = tmp / f"{name}.yaml"
-    grid.write_text(_grid(name, profile, {**TRAIN, "strategy": strategy}))
-    assert main(["sweep", str(grid), "--executor", "slurm", "--results", str(root), "--wait"]) == 0
-    status = read_status(moved)
+    one = tmp / "one-node.yaml"
+    one.write_text(
+        "partition: multi\nnodes: 1\ntasks_per_node: 1\ncpus_per_task: 1\nmem_gb: 2\ntime_min: 20\n"
+        "setup: ['export OMP_NUM_THREADS=1']\n"
+    )
+    out = {}
+    for nodes, profile, strategy in ((1, one, "auto"), (2, tmp / "two-nodes.yaml", "fsdp")):
+        name = f"moved-{nodes}"
+        run = root / name / sharded.name
+        step = _at_previous_checkpoint(sharded, run)
+        grid = tmp / f"{name}.yaml"
+        grid.write_text(_grid(name, profile, {**TRAIN, "strategy": strategy}))
+        wait = "--wait" if nodes == 2 else "--no-wait"  # the one-node job runs beside the two-node one
+        assert main(["sweep", str(grid), "--executor", "slurm", "--results", str(root), wait]) == 0
+        out[nodes] = (run, name, step)
+    _wait(lambda: _settled(out[1][0]), 600, "the one-process resume to finish")
+    return out
+
+
+@pytest.mark.parametrize("nodes", [2, 1], ids=["two-sharded-nodes", "one-process"])
+def test_a_sharded_checkpoint_resumes_across_two_nodes_and_on_one_process(submitted, sharded, moved, nodes):
+    """On the two nodes sharded again, the resumed run follows the sharded run bit for bit (the same processes and
+    reduction order); on one process of one node, within 1e-6 (one process sums the whole batch's loss where two
+    average their halves)."""
+    _, root, _, _ = submitted
+    run, name, step = moved[nodes]
+    status = read_status(run)
     job = str(status.get("job_id"))
     assert status["state"] == "done", f"{status}\n{_job_logs(root, job, name)}"
     log = (root / name / "jobs" / f"{job}_0_log.out").read_text()
     assert f"resuming at step {step}" in log
     assert ("on 2 processes on 2 nodes (strategy fsdp)" in log) == (nodes == 2)
     for column in ("train_loss", "val_loss"):
-        got, want = _column(moved / "metrics.csv", column), _column(sharded / "metrics.csv", column)
+        got, want = _column(run / "metrics.csv", column), _column(sharded / "metrics.csv", column)
         assert len(got) == len(want) > 0
         if nodes == 2:
             assert [repr(v) for v in got] == [repr(v) for v in want], column

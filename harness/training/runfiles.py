@@ -26,7 +26,7 @@ from harness.io import (
 from harness.measure import AllocatorPeak, CoreLoad, live_training_bytes
 from harness.model.diagnostics import layer_stats, traced_forward
 from harness.training.budget import seq_len_of
-from harness.training.sharding import is_sharded, unsharded_copy
+from harness.training.sharding import is_sharded, whole_mixer
 from harness.units import duration
 
 METRICS_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_s"]
@@ -140,11 +140,18 @@ class RunFiles(pl.Callback):
             return
         val_loss, val_bpb = module.evaluate()
         row.update(val_loss=val_loss, val_bpb=val_bpb)
-        # A sharded model's forward is a collective: the statistics read a whole copy that every rank helps gather.
-        model = unsharded_copy(module.model, self.cfg) if is_sharded(module.model.parameters()) else module.model
+        model = module.model
+        device = module.device
+        windows = module.val_windows[:4, :-1].to(device)
+        if is_sharded(model.parameters()):
+            # A sharded forward and a gather are collectives, so every rank traces the same windows, and each
+            # gathers the mixer alone (not the layers) for what the mixer learned.
+            _, trace = traced_forward(model, windows)
+            mixer = whole_mixer(model, self.cfg)
+        elif trainer.is_global_zero:
+            _, trace = traced_forward(model, windows)
+            mixer = model.mixer
         if trainer.is_global_zero:
-            device = next(model.parameters()).device
-            _, trace = traced_forward(model, module.val_windows[:4, :-1].to(device))
             grads = module.step_layer_grads.tolist() if step and module.step_layer_grads is not None else None
             self.layers_log.add(
                 [
@@ -152,7 +159,7 @@ class RunFiles(pl.Callback):
                     for l, s in enumerate(layer_stats(model, trace))
                 ]
             )
-            learned = model.mixer.learned_statistics(trace)
+            learned = mixer.learned_statistics(trace)
             if learned:
                 self.depth_stats.append({"step": step, **learned})
                 atomic_write_text(

@@ -69,3 +69,26 @@ def unsharded_copy(model: torch.nn.Module, cfg) -> torch.nn.Module | None:
     copy = build_model(cfg.model, cfg.variant)
     copy.load_state_dict(state)
     return copy.train(model.training)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded tensor, gathered on every rank (a collective); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def whole_mixer(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """A plain copy of a sharded decoder's depth mixer on every rank, on the device of its shards, with its
+    parameters' gradients: what the mixer's statistics read, without gathering the layers. Every rank must call
+    it, since gathering is a collective; the mixer is a small part of the model (at most a few percent)."""
+    import variants
+
+    mixer = model.mixer
+    shards = [local(p) for p in mixer.parameters()]
+    copy = variants.build(cfg.variant, d_model=cfg.model.d_model, n_layers=model.n_layers)
+    copy.load_state_dict({k: _whole(v) for k, v in mixer.state_dict().items()})
+    if shards:
+        copy.to(shards[0].device)
+    for p, q in zip(mixer.parameters(), copy.parameters()):
+        if p.grad is not None:
+            q.grad = _whole(p.grad).to(q.device)
+    return copy.train(mixer.training)
