@@ -284,7 +284,7 @@ def test_paper_dry_run_warns_about_the_missing_corpus_and_submission_refuses(cap
     from harness.model.factory import build_model
 
     grid = str(ROOT / "experiments" / "paper.yaml")
-    assert main(["sweep", grid, "--dry-run", "--results", "/nonexistent-results"]) == 0
+    assert main(["sweep", grid, "--dry-run", "--no-memory-plan", "--results", "/nonexistent-results"]) == 0
     out = capsys.readouterr().out
     assert "warning: the corpus /path/to/fineweb-edu-shards does not exist" in out
     assert "gpus_per_node=4" in out and "at most 8 at a time" in out

@@ -167,7 +167,7 @@ def test_a_grid_without_tune_plans_as_before(tmp_path):
 
 @pytest.mark.slow
 def test_paper_dry_run_shows_the_tuning_stage_and_its_cost(capsys):
-    assert main(["sweep", str(ROOT / "experiments" / "paper.yaml"), "--dry-run"]) == 0
+    assert main(["sweep", str(ROOT / "experiments" / "paper.yaml"), "--dry-run", "--no-memory-plan"]) == 0
     out = capsys.readouterr().out
     head = out.splitlines()[0]
     # every claimed row (eight variants at their defaults, three matched PreLNs, ten ablations) x 4 rates x 2 seeds

@@ -110,7 +110,8 @@ def describe_memory(runs, card_gb: float = 0, log=None) -> str:
     from harness.training.memory_plan import CARDS_GB, HEADROOM, distinct_models, plans
 
     if log:
-        log(f"memory plan: simulating a training step of {distinct_models([r.cfg for r in runs])} model(s) on shapes")
+        n = distinct_models([r.cfg for r in runs])
+        log(f"memory plan: simulating a training step of {n} model(s) on shapes (--no-memory-plan skips it)")
     planned = plans([r.cfg for r in runs])
     card = card_gb or max(CARDS_GB)
     cards = sorted({*CARDS_GB, card})
