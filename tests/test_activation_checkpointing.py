@@ -76,3 +76,18 @@ def test_a_run_with_checkpointed_layers_follows_the_same_curve(tmp_path):
         with open(run / "metrics.csv", newline="") as f:
             curves.append([(r["step"], r["train_loss"], r["val_loss"]) for r in csv.DictReader(f)])
     assert curves[0] == curves[1] and len(curves[0]) >= 6
+
+
+def test_the_checkpointing_benchmark_prints_both_settings_per_variant(capsys):
+    from harness.benchmarks import checkpointing
+
+    checkpointing.main(
+        ["--preset", "tiny", "--repeats", "2", "--variants", "preln,ldm", "--seq", "16", "--batch-size", "2"]
+    )
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["preln", "ldm"]
+    for _, off, on, ratio in rows:
+        off, on, ratio = float(off), float(on), float(ratio)
+        assert off > 0 and on > 0
+        # the ratio of the unrounded medians, within what rounding the printed ones to 3 decimals allows
+        assert (on - 5e-4) / (off + 5e-4) - 5e-3 <= ratio <= (on + 5e-4) / max(off - 5e-4, 1e-9) + 5e-3
