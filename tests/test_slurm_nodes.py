@@ -54,17 +54,22 @@ def two_nodes():
     reason = _namespaces_reason()
     if reason:
         pytest.skip(reason)
-    try:
-        out = subprocess.run(["sinfo", "-h", "-p", "multi", "-o", "%D %T"], capture_output=True, text=True, timeout=15)
-        up = (
-            out.returncode == 0
-            and sum(
-                int(line.split()[0]) for line in out.stdout.splitlines() if re.search(r"idle|mixed|allocated", line)
+    # Nodes that are finishing a job (``completing``) are up too; give a node that is still settling a minute.
+    deadline, up = time.time() + 60, False
+    while not up and time.time() < deadline:
+        try:
+            out = subprocess.run(
+                ["sinfo", "-h", "-p", "multi", "-o", "%D %T"], capture_output=True, text=True, timeout=15
             )
-            >= 2
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        up = False
+            states = [line.split() for line in out.stdout.splitlines() if line.strip()]
+            up = (
+                out.returncode == 0
+                and sum(int(n) for n, state in states if re.match(r"(idle|mixed|allocated|completing)", state)) >= 2
+            )
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            up = False
+        if not up:
+            time.sleep(2)
     if not up:
         reason = "no partition multi with two nodes up; start them with: bash slurm/local-cluster.sh start --nodes 2"
         if os.environ.get("CI"):
