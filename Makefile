@@ -35,11 +35,14 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not slurm"
 
-# The randomised tests (those taking rng_seed) over FUZZ_SEEDS fresh seeds each; the base is printed in the header
-# and a failure prints the command that replays it (docs/testing.md).
+# The randomised tests (those taking rng_seed) over FUZZ_SEEDS seeds each, under a new base every time (the clock's
+# seconds; FUZZ_BASE=B replays a run); the base is printed in the header and a failure prints the command that
+# replays it (docs/testing.md).
 FUZZ_SEEDS ?= 20
+FUZZ_BASE ?= $(shell date +%s)
 test-fuzz: setup
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not slurm" --fuzz $(FUZZ_SEEDS) $(FUZZ_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not slurm" --fuzz $(FUZZ_SEEDS) \
+		--test-seed $(FUZZ_BASE) $(FUZZ_ARGS)
 
 # The reference study of docs/report.md: three small grids into one folder, packed into the one archive that is
 # committed (results/reference/study-runs.tar.xz), then one report drawing every figure from that archive.

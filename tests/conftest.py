@@ -3,7 +3,9 @@
 Each test gets its own seed, ``hash(base, test id)``: the same on every run, in any order and on any xdist worker,
 and a different one for every test. ``DEPTHMEM_TEST_SEED`` (or ``--test-seed``) sets the base (0 by default), so a
 new base draws new inputs everywhere. ``--fuzz N`` runs each randomised test (one that takes ``rng_seed``) over N
-seeds from a fresh base printed in the header, the lane ``make test-fuzz`` runs. A failing test's report names its
+seeds under the base; ``make test-fuzz`` passes a new base each time (the clock's seconds, printed in the header).
+Nothing here draws from the operating system's randomness, so every run, the fuzz lane's included, replays from the
+base in its header. A failing test's report names its
 seed and the command that replays it (``--rng-seed S`` pins ``rng_seed`` to ``S``).
 """
 
@@ -41,7 +43,7 @@ def pytest_addoption(parser):
         "--test-seed", type=int, default=None, help=f"base of every test's seed (default: ${SEED_ENV}, else 0)"
     )
     group.addoption(
-        "--fuzz", type=int, default=0, metavar="N", help="run each randomised test over N seeds from a fresh base"
+        "--fuzz", type=int, default=0, metavar="N", help="run each randomised test over N seeds under the base"
     )
     group.addoption("--rng-seed", type=int, default=None, metavar="S", help="pin rng_seed to S (replays one failure)")
 
@@ -51,7 +53,7 @@ def pytest_configure(config):
     if base is None and os.environ.get(SEED_ENV):
         base = int(os.environ[SEED_ENV])
     if base is None:
-        base = int.from_bytes(os.urandom(4), "little") if config.getoption("fuzz") else 0
+        base = 0
     # xdist's workers start after this and inherit the environment: every process derives the same seeds, so
     # they collect the same fuzzed parametrizations.
     os.environ[SEED_ENV] = str(base)
