@@ -3,8 +3,9 @@ off and on, interleaved, the order alternating between repeats so that load on t
 
     python -m harness.benchmarks.checkpointing [--preset small] [--vocab 4096] [--repeats 3]
 
-A step is the trainer's: forward, cross-entropy on float32 logits, backward, AdamW. Each timing is one step after a
-warm-up step; the table gives each setting's median over the repeats and their ratio, on over off.
+A step is the trainer's (``memory_plan.training_step``, float32): forward, cross-entropy, backward, AdamW. Each
+timing is one step after a warm-up step; the table gives each setting's median over the repeats and their ratio,
+on over off.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from harness.config import model_preset
 from harness.model.factory import build_model
+from harness.training.memory_plan import training_step
 
 
 def step_times(variant: str, cfg, batch: int, seq: int, order: list[str]) -> dict[str, float]:
@@ -27,9 +28,7 @@ def step_times(variant: str, cfg, batch: int, seq: int, order: list[str]) -> dic
     tokens = torch.randint(cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
 
     def step():
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
-        optimizer.step()
+        training_step(model, optimizer, tokens, "32-true")
         optimizer.zero_grad(set_to_none=True)
 
     out = {}

@@ -22,23 +22,14 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from harness.benchmarks.benchmark import resolve_variants
 from harness.config import model_preset
 from harness.measure import AllocatorPeak, live_training_bytes
 from harness.model.factory import build_model
+from harness.training.memory_plan import training_step
 
 GIB = 1024**3
-
-
-def _step(model, optimizer, idx, targets, dtype: str) -> None:
-    autocast = torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
-    with autocast:
-        logits = model(idx)  # (b, t, vocab)
-    F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def step_bytes(model, micro_batch: int, seq_len: int, *, dtype: str = "bf16", seed: int = 0) -> int:
@@ -54,7 +45,8 @@ def step_bytes(model, micro_batch: int, seq_len: int, *, dtype: str = "bf16", se
     held = live_training_bytes(model, [optimizer])
     peak = AllocatorPeak(device)
     peak.start()
-    _step(model, optimizer, tokens[:, :-1], tokens[:, 1:], dtype)
+    training_step(model, optimizer, tokens, "bf16-mixed" if dtype == "bf16" else "32-true")
+    optimizer.zero_grad(set_to_none=True)
     return held + peak.stop()
 
 

@@ -43,7 +43,6 @@ from torch.utils._pytree import tree_flatten
 
 from harness.config import ModelConfig, RunConfig
 
-GIB = 1024**3
 CARDS_GB = (40, 80, 141)
 """The cards the plan is printed for: A100 40 GB, A100/H100 80 GB, H200 141 GB (decimal gigabytes, as sold)."""
 HEADROOM = 0.15
@@ -87,8 +86,10 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _step(model, optimizer, tokens: torch.Tensor, precision: str) -> None:
-    """One micro batch through the model, the loss and backward, as ``training_step`` runs it."""
+def training_step(model, optimizer, tokens: torch.Tensor, precision: str) -> None:
+    """One micro batch of ``tokens`` (b, t + 1) through the model, the loss and backward, then AdamW's step: the
+    trainer's step without Lightning, under ``precision`` (a Lightning precision string of ``MIXED`` or ``FULL``).
+    The optimizer's gradients are left for the caller to clear."""
     dtype = MIXED.get(precision)
     with torch.autocast(tokens.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         logits = model(tokens[:, :-1])  # (b, t, vocab)
@@ -149,7 +150,7 @@ def simulated_peak(
             for p in params:
                 p.register_post_accumulate_grad_hook(lambda p: live.hold(p.grad, share))
         with live:
-            _step(model, optimizer, tokens, precision)
+            training_step(model, optimizer, tokens, precision)
     return live.peak
 
 
@@ -191,12 +192,12 @@ def plan(cfg: RunConfig, *, precision: str | None = None) -> MemoryPlan:
     """The memory plan of a run as its config asks: its micro batch, processes, strategy and checkpointing, at its
     precision on a GPU (``auto`` is bf16-mixed there)."""
     from harness.training.budget import seq_len_of
+    from harness.training.optim import accumulation, micro_batch
     from harness.training.sharding import resolved_strategy
 
     t = cfg.train
     world = t.devices * t.num_nodes
-    micro = t.micro_batch_size or max(1, t.batch_size // world)
-    accumulating = t.batch_size > world * micro
+    micro, accumulating = micro_batch(cfg), accumulation(cfg) > 1
     precision = precision or ("bf16-mixed" if t.precision == "auto" else t.precision)
     total, root, layer = _unit_params(cfg.model, cfg.variant)
     strategy = resolved_strategy(t.strategy, world, total)

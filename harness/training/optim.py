@@ -69,11 +69,18 @@ def total_steps(cfg: RunConfig) -> int:
     return budget.train_steps(cfg)
 
 
+def micro_batch(cfg: RunConfig) -> int:
+    """Sequences one process takes in one forward/backward pass: ``train.micro_batch_size``, else its whole share of
+    the global batch."""
+    t = cfg.train
+    return t.micro_batch_size or t.batch_size // (t.devices * t.num_nodes)
+
+
 def accumulation(cfg: RunConfig) -> int:
     """Forward/backward passes per optimizer step: the global batch over processes x micro batch."""
     t = cfg.train
     world = t.devices * t.num_nodes
-    micro = t.micro_batch_size or t.batch_size // world
+    micro = micro_batch(cfg)
     if t.batch_size % (world * micro):
         raise UsageError(
             f"train.batch_size ({t.batch_size}) must be a multiple of devices x nodes x "

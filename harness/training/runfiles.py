@@ -140,17 +140,12 @@ class RunFiles(pl.Callback):
             return
         val_loss, val_bpb = module.evaluate()
         row.update(val_loss=val_loss, val_bpb=val_bpb)
-        model = module.model
-        device = module.device
-        windows = module.val_windows[:4, :-1].to(device)
-        if is_sharded(model.parameters()):
-            # A sharded forward and a gather are collectives, so every rank traces the same windows, and each
+        model, sharded = module.model, is_sharded(module.model.parameters())
+        if sharded or trainer.is_global_zero:
+            # A sharded forward and a gather are collectives, so there every rank traces the same windows, and each
             # gathers the mixer alone (not the layers) for what the mixer learned.
-            _, trace = traced_forward(model, windows)
-            mixer = whole_mixer(model, self.cfg)
-        elif trainer.is_global_zero:
-            _, trace = traced_forward(model, windows)
-            mixer = model.mixer
+            _, trace = traced_forward(model, module.val_windows[:4, :-1].to(module.device))
+            mixer = whole_mixer(model, self.cfg) if sharded else model.mixer
         if trainer.is_global_zero:
             grads = module.step_layer_grads.tolist() if step and module.step_layer_grads is not None else None
             self.layers_log.add(
