@@ -141,7 +141,8 @@ def describe_memory(runs, card_gb: float = 0, log=None) -> str:
             warnings.append(_does_not_fit(r.cfg.variant, row["model"], m, card))
     lines = [
         "memory per process (one training step simulated on shapes: weights, AdamW state, activations and "
-        "temporaries at the run's micro batch, bf16-mixed on a card; fits_*: the largest micro batch with "
+        "temporaries at the run's micro batch and precision on a card, auto being bf16-mixed; fits_*: the largest "
+        "micro batch with "
         f"{HEADROOM:.0%} of the card aside):",
         format_rows(rows, list(rows[0]) if rows else []),
     ]
@@ -155,12 +156,10 @@ def _does_not_fit(variant: str, model: str, m, card: float) -> str:
     if fits:
         remedy = f"set train.micro_batch_size={fits} or lower"
     else:
-        remedy = []
-        if m.strategy != "fsdp":
-            remedy.append("shard it (train.strategy=fsdp)")
+        steps = ["shard it (train.strategy=fsdp)"] if m.strategy != "fsdp" else []
         if not m.checkpointing:
-            remedy.append("checkpoint its layers (train.activation_checkpointing=true)")
-        remedy = ", ".join(remedy + ["shorten its sequences or take a larger card"])
+            steps.append("checkpoint its layers (train.activation_checkpointing=true)")
+        remedy = ", ".join(steps + ["shorten its sequences or take a larger card"])
     return (
         f"warning: {variant} at {model} needs {units.si(m.peak(), 'B')} per process at micro batch {m.micro_batch}, "
         f"more than a {card:g} GB card holds with {HEADROOM:.0%} aside; {remedy}"
