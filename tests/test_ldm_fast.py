@@ -171,14 +171,21 @@ def test_float32_dual_is_close_to_float64_reference(spec, rng_seed):
 
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls(read=memory)"])
 def test_dual_state_stays_float32_under_bf16_and_float64_in_float64(spec, rng_seed):
+    """Keys (and LDM-RLS's whitened values) are float32 under bf16 autocast; LDM's values are the sublayers' bf16
+    outputs, kept as they came, and its reads equal those of the same values widened to float32."""
     model = build_model(model_preset("tiny"), spec)
     e = torch.randn(2, T, 64)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         state = model.mixer.init_state(e.bfloat16())
         for layer in range(model.n_layers):
             state = model.mixer.write(state, layer, model.layers[layer](model.mixer.read(state, layer)))
-        assert model.mixer.read_head(state).dtype == torch.bfloat16
-    assert all(t.dtype == torch.float32 for t in state.keys + state.values)
+        head = model.mixer.read_head(state)
+        assert head.dtype == torch.bfloat16
+        widened = state._replace(values=tuple(v.float() for v in state.values))
+        assert torch.equal(model.mixer.read_head(widened), head)
+    assert all(t.dtype == torch.float32 for t in state.keys)
+    outer = spec == "ldm"
+    assert all(t.dtype == (torch.bfloat16 if outer else torch.float32) for t in state.values)
     model = model.to(torch.float64)
     with torch.no_grad():
         state = model.mixer.write(model.mixer.init_state(e.double()), 0, e.double())

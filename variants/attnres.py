@@ -9,7 +9,7 @@ head aggregates all ``L + 1`` sources with its own pseudo-query. Unpublished det
 gain, since a per-channel gain would only rescale ``w_l``.
 
 Each key is normalized once, when its output is written; a read stacks the keys and values so far and attends over
-them, where the fused kernel runs as its one pass (``variants/kernels/softmax_read``, which takes the key norm
+them (again in backward, rather than keeping each read's stacked copy), where the fused kernel runs as its one pass (``variants/kernels/softmax_read``, which takes the key norm
 itself). Eager, compiled and on GPU alike, autograd differentiates it. Axes: b batch, t time, d width, s source.
 """
 
@@ -23,6 +23,7 @@ from torch import nn
 from variants import kernels
 from variants.base import DepthMixer, register
 from variants.kernels.softmax_read import softmax_read
+from variants.ops.recompute import recomputed
 
 
 def mix_dtype(x: torch.Tensor) -> torch.dtype:
@@ -46,19 +47,31 @@ def depth_attention(
     (``variants.kernels``), the read is their one pass and no weights are returned.
     """
     dt = keys[0].dtype  # already normalized and in mixing precision
+    # The sources are stacked inside the read and again in backward, not kept stacked per read (``recomputed``).
     if query is not None and weights is None and kernels.active(keys[0]):
         # One pass of the fused kernel, which takes the key norm itself: the keys go unused (a compiled graph
         # drops them).
-        v = torch.stack([x.to(dt) for x in values], dim=-2)  # (b, t, s, d)
-        return softmax_read(v.flatten(0, -3), query.to(dt), RMS_EPS).view(*v.shape[:-2], -1), None
-    k = torch.stack(keys, dim=-2)  # (b, t, s, d)
+        return recomputed(_fused_read, query.to(dt), *values), None
+    return recomputed(_attend, query, *keys, *values)
+
+
+def _fused_read(query: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
+    v = torch.stack([x.to(query.dtype) for x in values], dim=-2)  # (b, t, s, d)
+    return softmax_read(v.flatten(0, -3), query, RMS_EPS).view(*v.shape[:-2], -1)
+
+
+def _attend(query: torch.Tensor | None, *sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``depth_attention`` in plain PyTorch, with the sources given as the keys then the values."""
+    n = len(sources) // 2
+    k = torch.stack(sources[:n], dim=-2)  # (b, t, s, d)
+    dt = k.dtype
     if query is None:
         weights = k.new_ones(k.shape[:-1])
     else:
         # Elementwise product and sum rather than a matmul, so bf16 autocast cannot lower the precision.
         logits = (k * query.to(dt)).sum(-1)  # (b, t, s)
         weights = torch.softmax(logits, dim=-1)
-    v = torch.stack([x.to(dt) for x in values], dim=-2)  # (b, t, s, d)
+    v = torch.stack([x.to(dt) for x in sources[n:]], dim=-2)  # (b, t, s, d)
     return (weights.unsqueeze(-1) * v).sum(-2), weights
 
 

@@ -8,7 +8,8 @@ block, the head's. The ``α`` are static learned scalars initialized to the iden
 so at the start this is PreLN exactly. Our layers are sublayers, so as in the paper the DWA runs after each
 block, i.e. after every second layer (attention, MLP); a trailing odd layer counts as a block of its own. The
 paper's dilation and period options (sparser DWA) are not implemented. A DWA stacks the block outputs so far
-and weighs them, as the formula reads; autograd differentiates it, eager or compiled. Axes: b batch, t time,
+and weighs them, as the formula reads, and stacks them again in backward rather than keep each DWA's copy;
+autograd differentiates it, eager or compiled. Axes: b batch, t time,
 d width, s source.
 """
 
@@ -20,11 +21,19 @@ import torch
 from torch import nn
 
 from variants.base import DepthMixer, register
+from variants.ops.recompute import recomputed
 
 
 def mix_dtype(x: torch.Tensor) -> torch.dtype:
     """At least float32 for mixing weights, never below the input precision (float64 stays float64)."""
     return torch.promote_types(x.dtype, torch.float32)
+
+
+def _weighted_average(alpha: torch.Tensor, *outputs: torch.Tensor) -> torch.Tensor:
+    """``Σ_s α_s X_s`` in ``alpha``'s precision. Run ``recomputed``: the outputs are stacked here and again in
+    backward, not kept stacked after every block."""
+    stacked = torch.stack([X.to(alpha.dtype) for X in outputs], dim=-1)  # (b, t, d, s)
+    return (stacked * alpha).sum(-1)
 
 
 @register("denseformer")
@@ -63,8 +72,7 @@ class DenseFormer(DepthMixer):
         outputs = outputs + [x]
         alpha = self.alphas[len(outputs) - 2].to(dt)  # DWA i reads X_0 .. X_{i+1}
         with torch.autocast(x.device.type, enabled=False):
-            stacked = torch.stack([X.to(dt) for X in outputs], dim=-1)  # (b, t, d, s)
-            return (stacked * alpha).sum(-1), outputs
+            return recomputed(_weighted_average, alpha, *outputs), outputs
 
     def read_head(self, state):
         return state[0]

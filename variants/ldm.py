@@ -11,8 +11,9 @@ Two implementations compute the same function (``mixer.impl``). ``dual``, the de
 the writes ``(k_i, v_i)`` and reads ``M q = Σ_i v_i (k_iᵀ q)``, linear attention over depth (for RLS the writes are
 whitened first, ``rls.whiten``), so backward keeps no per-layer memory and a read costs O(writes · d) per
 token. It is one set of plain tensor operations that eager CPU and GPU runs and ``torch.compile`` all take: the
-writes stacked along depth for every read, and the read and the whitening through the dispatch functions of
-``variants/kernels/`` (the fused kernels where they run, their ``naive.py`` elsewhere). ``recurrent``
+writes stacked along depth for every read (and again in backward, so that a step keeps each write once, not a
+stacked copy per read: ``variants/ops/recompute.py``), and the read and the whitening through the dispatch
+functions of ``variants/kernels/`` (the fused kernels where they run, their ``naive.py`` elsewhere). ``recurrent``
 materializes ``M`` (and ``P``) at every layer exactly as the spec writes it; it is the reference the tests hold
 the dual form to, and costs O(d · d_k) per layer whatever the depth (docs/ldm-performance.md).
 
@@ -34,6 +35,7 @@ from variants.kernels.depth_read import depth_read
 from variants.ops import ldm_costs, ldm_knobs, rls
 from variants.ops.layers import RMSNorm
 from variants.ops.ldm_state import DualState, LDMState
+from variants.ops.recompute import recomputed
 from variants.registry import knob
 
 READS = ("residual+memory", "memory", "residual")
@@ -56,6 +58,16 @@ class SmallMLP(nn.Module):
         dt = x.dtype
         h = F.silu(F.linear(self.norm(x), self.fc1.weight.to(dt), self.fc1.bias.to(dt)))
         return F.linear(h, self.fc2.weight.to(dt), self.fc2.bias.to(dt))
+
+
+def _read_writes(q: torch.Tensor, *writes: torch.Tensor) -> torch.Tensor:
+    """``Σ_i v_i (k_iᵀ q)`` per group over the writes so far, given as their keys then their values: ``q``
+    (b, t, g, k), each key (b, t, g, k), each value (b, t, g, v) -> (b, t, g, v), in the writes' precision."""
+    n = len(writes) // 2
+    keys, values = torch.stack(writes[:n], -2), torch.stack(writes[n:], -2)  # (b, t, g, n, k|v)
+    R = q.numel() // q.shape[-1]
+    m = depth_read(q.to(keys.dtype).reshape(R, -1), keys.view(R, n, -1), values.view(R, n, -1))
+    return m.view(*q.shape[:-1], -1)
 
 
 def _parse_lambda(text: str) -> str | float:
@@ -235,13 +247,15 @@ class LDM(DepthMixer):
                     step = v.unsqueeze(-1) * k.unsqueeze(-2)  # v kᵀ, (b, t, g, v, k)
                     return (step if state.M is None else state.M + step), None
                 return rls.rls_write(state.M, state.P, k, v, lam, omega)
-            decay = None
-            if self.rls:
-                wt = torch.promote_types(dt, self.whiten_dtype)
-                decay = lam.to(wt) if state.decay is None else state.decay * lam.to(wt)  # Π_{j≤n} λ_j
-                ridge = rls.ridge_diagonal(decay, omega.to(wt), self.cfg.alpha)
-                k, v, margin = rls.whiten(k.to(wt), v.to(wt), ridge, state.keys, state.values)
-                self._note_margin(margin, wt)
+            if not self.rls:
+                # The value is the sublayer's output, kept in its own precision (bf16 under autocast): widening it
+                # here would add no digits, only bytes to every later read, which widens it as it loads it.
+                return state.keys + (k,), state.values + (value.unflatten(-1, (self.G, self.dv)),), None
+            wt = torch.promote_types(dt, self.whiten_dtype)
+            decay = lam.to(wt) if state.decay is None else state.decay * lam.to(wt)  # Π_{j≤n} λ_j
+            ridge = rls.ridge_diagonal(decay, omega.to(wt), self.cfg.alpha)
+            k, v, margin = rls.whiten(k.to(wt), v.to(wt), ridge, state.keys, state.values)
+            self._note_margin(margin, wt)
             return state.keys + (k,), state.values + (v,), decay
 
     def _read(self, state, reader: int) -> torch.Tensor:
@@ -267,12 +281,7 @@ class LDM(DepthMixer):
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
             else:
                 # In the writes' precision (float64 once LDM-RLS's guard has tripped), back in the stream's after.
-                keys, values = torch.stack(state.keys, -2), torch.stack(state.values, -2)  # (b, t, g, n, k|v)
-                R = q.numel() // q.shape[-1]
-                m = depth_read(
-                    q.to(keys.dtype).reshape(R, -1), keys.view(R, *keys.shape[-2:]), values.view(R, *values.shape[-2:])
-                )
-                m = m.view(*q.shape[:-1], -1).to(dt)
+                m = recomputed(_read_writes, q, *state.keys, *state.values).to(dt)
             m = m.flatten(-2)  # (b, t, g, v) -> (b, t, d)
             self.record("read", reader, m)
         m = m.to(x.dtype)

@@ -32,6 +32,7 @@ import math
 import torch
 
 from variants.kernels.whiten import whiten as kernel_whiten
+from variants.ops.recompute import recomputed
 
 LAMBDA_MIN = 0.5
 """Lower end of a learned forgetting factor: ``λ = λ_min + (1 − λ_min)·sigmoid(θ)``."""
@@ -142,13 +143,18 @@ def whiten(
     new row of ``L`` and ``δ² = |k|² + d_n − |l|²`` its diagonal entry. The margin is how much of ``|k|² + d_n``
     survives that subtraction: rounding errors in ``δ²`` are relative to ``|k|² + d_n``, so a margin near the
     precision's epsilon means ``δ`` (and every later read) has lost its digits."""
-    lead, R = k.shape[:-1], k.numel() // k.shape[-1]
-    if len(keys):
-        K, V = torch.stack(keys, -2).view(R, len(keys), -1), torch.stack(values, -2).view(R, len(keys), -1)
+    # The earlier writes are stacked inside ``_whiten_stacked`` and again in backward, not kept stacked per write.
+    return recomputed(_whiten_stacked, k, v, torch.broadcast_to(ridge, k.shape[:-1]), *keys, *values)
+
+
+def _whiten_stacked(k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, *writes: torch.Tensor) -> tuple:
+    """``whiten`` with the earlier writes given as their keys then their values, and ``ridge`` of shape (..., g)."""
+    R, n = k.numel() // k.shape[-1], len(writes) // 2
+    if n:
+        K, V = torch.stack(writes[:n], -2).view(R, n, -1), torch.stack(writes[n:], -2).view(R, n, -1)
     else:
         K, V = k.new_empty(R, 0, k.shape[-1]), v.new_empty(R, 0, v.shape[-1])
-    ridge = torch.broadcast_to(ridge, lead).reshape(R)
-    kt, vt, margin = kernel_whiten(k.reshape(R, -1), v.reshape(R, -1), ridge, K, V)
+    kt, vt, margin = kernel_whiten(k.reshape(R, -1), v.reshape(R, -1), ridge.reshape(R), K, V)
     return kt.view(k.shape), vt.view(v.shape), margin.amin()
 
 

@@ -1,6 +1,7 @@
 """Eager CPU training-step time (forward, backward, AdamW step) of two source trees, interleaved in one run.
 
-Usage: python docs/notes/one-path-mixers/timing.py BEFORE_ROOT AFTER_ROOT [repeats] [steps]
+Usage: python docs/notes/one-path-mixers/timing.py BEFORE_ROOT AFTER_ROOT [repeats] [steps] [variants] [vocab]
+``variants`` is a comma-separated list (default: the six below), ``vocab`` the vocabulary size (default: the preset's).
 Each tree is imported in its own subprocess (PYTHONPATH=root); the parent alternates between them step group by step
 group, so load on the shared machine hits both sides alike. Shape: preset small, batch 8, seq 256, float32 (the
 defaults of harness/benchmarks/benchmark.py's ``bench``).
@@ -13,7 +14,8 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ["preln", "hc", "mhc", "attnres", "attnres-block", "denseformer"]
+ARGS = [a for a in sys.argv[1:] if a != "--child"]  # the child is started with the parent's arguments
+VARIANTS = ARGS[4].split(",") if len(ARGS) > 4 else ["preln", "hc", "mhc", "attnres", "attnres-block", "denseformer"]
 BATCH, SEQ = 8, 256
 
 
@@ -23,7 +25,7 @@ def child():
 
     from harness import build_model, model_preset
 
-    cfg = model_preset("small")
+    cfg = model_preset("small", **({"vocab_size": int(ARGS[5])} if len(ARGS) > 5 else {}))
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(cfg.vocab_size, (BATCH, SEQ + 1), generator=gen)
     idx, targets = tokens[:, :-1], tokens[:, 1:]
@@ -51,14 +53,14 @@ def child():
 
 
 def main():
-    before, after = sys.argv[1], sys.argv[2]
-    repeats = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-    n = sys.argv[4] if len(sys.argv) > 4 else "2"
+    before, after = ARGS[0], ARGS[1]
+    repeats = int(ARGS[2]) if len(ARGS) > 2 else 5
+    n = ARGS[3] if len(ARGS) > 3 else "2"
     procs = {}
     for side, root in (("before", before), ("after", after)):
         env = {**os.environ, "PYTHONPATH": root}
         procs[side] = subprocess.Popen(
-            [sys.executable, __file__, "--child"],
+            [sys.executable, __file__, "--child", *sys.argv[1:]],
             cwd=root,
             env=env,
             stdin=subprocess.PIPE,
