@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import variants
 from harness import build_model, model_preset
@@ -274,6 +275,35 @@ def test_memory_math_stays_float32_under_bf16(spec, rng_seed):
     with torch.no_grad():
         assert torch.isfinite(model(idx, trace=trace).float()).all()
     assert all(v.dtype == torch.float32 for v in trace.mixer.values())
+
+
+class MatrixProducts(TorchDispatchMode):
+    """Records the dtype of every matrix product: 2-D (``mm``, ``addmm``: linear layers) and batched (``bmm``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {"2d": [], "batched": []}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in ("mm", "addmm"):
+            self.seen["2d"].append(args[-1].dtype)
+        elif name in ("bmm", "baddbmm"):
+            self.seen["batched"].append(args[-1].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("spec", ["ldm", "ldm-rls", "ldm-rls(qk_source=read)"])
+def test_query_and_key_networks_take_autocasts_precision(spec, rng_seed):
+    """Under bf16 autocast every linear layer, the trunk's and the query and key networks' alike, multiplies in bf16
+    (tensor cores on a card); the depth reads and the whitening, batched products over the writes, stay float32."""
+    model = build_model(model_preset("tiny"), spec)
+    networks = len(model.mixer.keys) + sum(isinstance(q, SmallMLP) for q in model.mixer.queries)
+    products = MatrixProducts()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), products:
+        model(torch.randint(0, 512, (2, T)))
+    assert products.seen["2d"].count(torch.bfloat16) == len(products.seen["2d"]) >= 2 * networks
+    assert products.seen["batched"] and set(products.seen["batched"]) == {torch.float32}
 
 
 @pytest.mark.parametrize(

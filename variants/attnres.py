@@ -9,8 +9,9 @@ head aggregates all ``L + 1`` sources with its own pseudo-query. Unpublished det
 gain, since a per-channel gain would only rescale ``w_l``.
 
 Each key is normalized once, when its output is written; a read stacks the keys and values so far and attends over
-them (again in backward, rather than keeping each read's stacked copy), where the fused kernel runs as its one pass (``variants/kernels/softmax_read``, which takes the key norm
-itself). Eager, compiled and on GPU alike, autograd differentiates it. Axes: b batch, t time, d width, s source.
+them, where the fused kernel runs as its one pass (``variants/kernels/softmax_read``, which takes the key norm
+itself), and stacks them again in backward rather than keep each read's stacked copy. Eager, compiled and on GPU
+alike, autograd differentiates it. Axes: b batch, t time, d width, s source.
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ class SmallMLP(nn.Module):
         self.fc2 = nn.Linear(hidden, out)
 
     def forward(self, x):
-        # Weights are cast to the input's precision so the memory math stays float32 even when the model's
-        # parameters are bf16 (and float64 in a float64 model).
+        # Weights are cast to the input's precision, so the network runs in float32 even when the model's
+        # parameters are bf16 (and float64 in a float64 model); under autocast its matmuls take autocast's.
         dt = x.dtype
         h = F.silu(F.linear(self.norm(x), self.fc1.weight.to(dt), self.fc1.bias.to(dt)))
         return F.linear(h, self.fc2.weight.to(dt), self.fc2.bias.to(dt))
@@ -206,11 +206,10 @@ class LDM(DepthMixer):
         """A query MLP's output as unit vectors per group, (b, t, g, k)."""
         return F.normalize(z.unflatten(-1, (self.G, self.dk)), dim=-1)
 
-    def _key(self, state, n: int, layer: int, dt: torch.dtype) -> tuple:
+    def _key(self, z: torch.Tensor, n: int, layer: int) -> tuple:
         """Key (b, t, g, k) as unit vectors per group, importance ω (b, t, g) and forgetting λ (g,) of write ``n``,
-        from its key MLP on ``_qk_input`` in ``dt``."""
+        from its key MLP's output ``z``."""
         G, dk = self.G, self.dk
-        z = self.keys[n](self._qk_input(state).to(dt))
         k = F.normalize(z[..., : G * dk].unflatten(-1, (G, dk)), dim=-1)
         self.record("k", layer, k)
         if not self.rls:
@@ -239,8 +238,11 @@ class LDM(DepthMixer):
         """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``_qk_input``: the new memory part
         of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay)`` in the dual form."""
         dt = torch.promote_types(value.dtype, torch.float32)
+        # The key network's matmuls run in the caller's precision (bf16 on tensor cores under autocast, like the
+        # trunk's own projections); from its output on, keys, ω and the memory are in float32.
+        z = self.keys[n](self._qk_input(state).to(dt))
         with torch.autocast(device_type=value.device.type, enabled=False):
-            k, omega, lam = self._key(state, n, layer, dt)
+            k, omega, lam = self._key(z.to(dt), n, layer)
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:
@@ -274,8 +276,9 @@ class LDM(DepthMixer):
             return x
         src = self._qk_input(state)
         dt = torch.promote_types(x.dtype, torch.float32)
+        z = self.queries[reader](src.to(dt))  # in the caller's precision, as the key network (``_write_memory``)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            q = self._query(self.queries[reader](src.to(dt)))
+            q = self._query(z.to(dt))
             self.record("q", reader, q)  # (b, t, g, k)
             if self.impl == "recurrent":
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)

@@ -9,7 +9,7 @@ backward (measured in docs/training.md).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
