@@ -73,6 +73,25 @@ def as_on_card():
         _as_on_card = before
 
 
+def pinned() -> contextlib.AbstractContextManager:
+    """A context that sets the mode and the card simulation (``as_on_card``) to what they are now, wherever it is
+    entered later: a read recomputed in backward (``variants.ops.recompute``) runs under it, so that it takes the
+    path its forward took even if the mode has changed in between."""
+    mode_now, card_now = _mode, _as_on_card
+
+    @contextlib.contextmanager
+    def restore():
+        global _mode, _as_on_card
+        before = _mode, _as_on_card
+        _mode, _as_on_card = mode_now, card_now
+        try:
+            yield
+        finally:
+            _mode, _as_on_card = before
+
+    return restore()
+
+
 def runs_on(device: torch.device) -> bool:
     """Whether the fused kernels run on ``device`` in the current mode."""
     if _mode == "off" or not TRITON:

@@ -9,10 +9,13 @@ backward (measured in docs/training.md).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from variants import kernels
 
 
 def recomputed(fn: Callable[..., torch.Tensor | tuple], *args):
@@ -22,4 +25,11 @@ def recomputed(fn: Callable[..., torch.Tensor | tuple], *args):
     random."""
     if not torch.is_grad_enabled():
         return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    if torch.compiler.is_compiling():  # one graph: forward and its recomputation take the same path by construction
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=_same_path)
+
+
+def _same_path():
+    """Forward runs as it is; the recomputation under the fused kernels' mode of that forward."""
+    return contextlib.nullcontext(), kernels.pinned()
