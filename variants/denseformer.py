@@ -9,8 +9,7 @@ so at the start this is PreLN exactly. Our layers are sublayers, so as in the pa
 block, i.e. after every second layer (attention, MLP); a trailing odd layer counts as a block of its own. The
 paper's dilation and period options (sparser DWA) are not implemented. A DWA stacks the block outputs so far
 and weighs them, as the formula reads, and stacks them again in backward rather than keep each DWA's copy;
-autograd differentiates it, eager or compiled. Axes: b batch, t time,
-d width, s source.
+autograd differentiates it, eager or compiled. Axes: b batch, t time, d width, s source.
 """
 
 from __future__ import annotations
