@@ -27,13 +27,17 @@ def _mixer(spec: str, d: int = 16, n_layers: int = 5):
 
 @torch.no_grad()
 def _randomize(mixer):
-    """Move λ and ω away from their initial values, so every weight in the closed form differs."""
+    """Move λ and ω away from their initial values, so every weight in the closed form differs. The parameters are
+    drawn over their gain (``scalar_lr``, 10 by default), as the mixer stores them: drawn without it, λ and ω
+    saturate, λ at 0.5 or 1 for every write of a group now and then, ω down to 1e-20, where the least-squares
+    reference itself no longer resolves the memory to 1e-9."""
+    gain = mixer.cfg.scalar_lr
     if hasattr(mixer, "theta"):
-        mixer.theta.uniform_(-3.0, 3.0)
+        mixer.theta.uniform_(-3.0, 3.0).div_(gain)
     if mixer.uses_memory and mixer.omega_on:
         for mlp in mixer.keys:
-            mlp.fc2.weight[mixer.G * mixer.dk :].normal_()
-            mlp.fc2.bias[mixer.G * mixer.dk :].normal_()
+            mlp.fc2.weight[mixer.G * mixer.dk :].normal_().div_(gain)
+            mlp.fc2.bias[mixer.G * mixer.dk :].normal_().div_(gain)
 
 
 def _rel(a, b):
