@@ -243,16 +243,16 @@ class LDM(DepthMixer):
         z = self.keys[n](self._qk_input(state).to(dt))
         with torch.autocast(device_type=value.device.type, enabled=False):
             k, omega, lam = self._key(z.to(dt), n, layer)
+            if self.impl == "dual" and not self.rls:
+                # The value is the sublayer's output, kept in its own precision (bf16 under autocast): widening it
+                # here would add no digits, only bytes to every later read, which widens it as it loads it.
+                return state.keys + (k,), state.values + (value.unflatten(-1, (self.G, self.dv)),), None
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:
                     step = v.unsqueeze(-1) * k.unsqueeze(-2)  # v kᵀ, (b, t, g, v, k)
                     return (step if state.M is None else state.M + step), None
                 return rls.rls_write(state.M, state.P, k, v, lam, omega)
-            if not self.rls:
-                # The value is the sublayer's output, kept in its own precision (bf16 under autocast): widening it
-                # here would add no digits, only bytes to every later read, which widens it as it loads it.
-                return state.keys + (k,), state.values + (value.unflatten(-1, (self.G, self.dv)),), None
             wt = torch.promote_types(dt, self.whiten_dtype)
             decay = lam.to(wt) if state.decay is None else state.decay * lam.to(wt)  # Π_{j≤n} λ_j
             ridge = rls.ridge_diagonal(decay, omega.to(wt), self.cfg.alpha)
