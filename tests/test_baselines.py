@@ -8,8 +8,11 @@ for bit given the same decoder weights.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from matrix_products import MatrixProducts
 
 import variants
 from harness import UsageError, build_model, model_preset
@@ -235,3 +238,39 @@ def test_mixing_weights_stay_float32_under_bf16_autocast(spec, rng_seed):
 def test_bad_knobs_name_the_allowed_values(spec, allowed):
     with pytest.raises(UsageError, match=allowed):
         variants.validate(spec)
+
+
+def _randomize_connections(model, spec: str):
+    """Dynamic weights far from their init, so the connections' projection shapes every layer's mixing."""
+    with torch.no_grad():
+        if spec == "hc":
+            model.mixer.proj.normal_(0.0, model.cfg.d_model**-0.5)
+            model.mixer.scale.uniform_(0.3, 1.0)
+        else:
+            model.mixer.alpha.uniform_(0.5, 1.5)
+            model.mixer.bias.normal_()
+
+
+@pytest.mark.parametrize("spec, projection", [("mhc", torch.bfloat16), ("hc", torch.float32)])
+def test_connections_projection_precision_keeps_bf16_error_at_prelns(spec, projection, rng_seed):
+    """Under bf16 autocast mHC's projection multiplies in bf16, like the trunk's linear layers (tensor cores on a
+    card): its doubly stochastic ``H^res`` averages streams that differ little, so the rounding of its logits stays
+    at PreLN's own bf16 error. HC's stays float32: ``A_r = I + s·tanh(·)`` scales the whole stream, and a bf16
+    projection put its rounding on all of it (up to 8 times PreLN's error at ``s`` near 0.5, against 1.5 times
+    in float32). Either way the logits stay within twice PreLN's bf16 error against float64, same decoder."""
+    ref = _model(spec, n_blocks=4)
+    _randomize_connections(ref, spec)
+    preln = _same_decoder("preln", ref)
+    idx = torch.randint(0, ref.cfg.vocab_size, (2, T))
+    products = MatrixProducts()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with products:
+            got = copy.deepcopy(ref).float()(idx)
+        preln_got = copy.deepcopy(preln).float()(idx)
+    with torch.no_grad():
+        want, preln_want = ref(idx), preln(idx)
+    sublayers = 2 * ref.cfg.n_blocks
+    assert products.seen["2d"].count(projection) >= sublayers
+    assert set(products.seen["2d"]) == {torch.bfloat16, projection}
+    assert products.seen["batched"] and set(products.seen["batched"]) == {torch.float32}  # the streams' products
+    assert 0 < _rel(got, want) <= 2 * _rel(preln_got, preln_want)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from matrix_products import MatrixProducts
 
 import variants
 from harness import build_model, model_preset
@@ -279,22 +279,6 @@ def test_memory_math_stays_float32_under_bf16(spec, rng_seed):
     with torch.no_grad():
         assert torch.isfinite(model(idx, trace=trace).float()).all()
     assert all(v.dtype == torch.float32 for v in trace.mixer.values())
-
-
-class MatrixProducts(TorchDispatchMode):
-    """Records the dtype of every matrix product: 2-D (``mm``, ``addmm``: linear layers) and batched (``bmm``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = {"2d": [], "batched": []}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if name in ("mm", "addmm"):
-            self.seen["2d"].append(args[-1].dtype)
-        elif name in ("bmm", "baddbmm"):
-            self.seen["batched"].append(args[-1].dtype)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls", "ldm-rls(qk_source=read)"])

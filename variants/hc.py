@@ -58,6 +58,8 @@ class HyperConnections(ExpandedStream):
         am, ar, bw = (p[layer].to(dt) for p in (self.static_am, self.static_ar, self.static_b))
         if not self.dynamic:
             return am.expand(b, t, n), ar.expand(b, t, n, n), bw.expand(b, t, n)
+        # Float32 even under bf16 autocast, unlike mHC's: A_r = I + s·tanh(·) scales the whole stream, so a bf16
+        # product's rounding would land on all of it, not only on the sublayer's output as in PreLN.
         with torch.autocast(H.device.type, enabled=False):
             H = H.to(dt)
             z = torch.tanh(normalized_projection(H, self.proj[layer].to(dt)))  # (b, t, k, n + 2)

@@ -63,9 +63,11 @@ class ManifoldHyperConnections(ExpandedStream):
         """``H^pre`` (b, t, k), ``H^post`` (b, t, j) and ``H^res`` (b, t, j, k) of ``layer`` for streams ``X``."""
         b, t, n, _ = X.shape
         dt = mix_dtype(X)
-        with torch.autocast(X.device.type, enabled=False):
-            # RMSNorm(vec(X)) φ, (b, t, n·n + 2n): the norm over all n·d channels of a token at once.
-            z = normalized_projection(X.to(dt), self.phi[layer].to(dt), dims=2)
+        # RMSNorm(vec(X)) φ, (b, t, n·n + 2n): the norm over all n·d channels of a token at once. The product
+        # takes the caller's autocast, like the trunk's linear layers (bf16 on tensor cores): H^res is doubly
+        # stochastic and averages streams that differ little, so the rounding stays at PreLN's own bf16 error. The
+        # norm, the gates and Sinkhorn stay float32.
+        z = normalized_projection(X.to(dt), self.phi[layer].to(dt), dims=2).to(dt)
         alpha, bias = self.alpha[layer].to(dt), self.bias[layer].to(dt)
         pre = torch.sigmoid(alpha[0] * z[..., :n] + bias[:n])
         post = 2.0 * torch.sigmoid(alpha[1] * z[..., n : 2 * n] + bias[n : 2 * n])
