@@ -24,12 +24,8 @@ from torch import nn
 from variants import kernels
 from variants.base import DepthMixer, register
 from variants.kernels.softmax_read import softmax_read
+from variants.ops import mix_dtype
 from variants.ops.recompute import recomputed
-
-
-def mix_dtype(x: torch.Tensor) -> torch.dtype:
-    """At least float32 for mixing weights, never below the input precision (float64 stays float64)."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from variants.attnres import depth_attention, mix_dtype, rms_normalize
+from variants.attnres import depth_attention, rms_normalize
 from variants.base import DepthMixer, register
+from variants.ops import mix_dtype
 from variants.registry import knob
 
 

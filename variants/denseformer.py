@@ -20,12 +20,8 @@ import torch
 from torch import nn
 
 from variants.base import DepthMixer, register
+from variants.ops import mix_dtype
 from variants.ops.recompute import recomputed
-
-
-def mix_dtype(x: torch.Tensor) -> torch.dtype:
-    """At least float32 for mixing weights, never below the input precision (float64 stays float64)."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _weighted_average(alpha: torch.Tensor, *outputs: torch.Tensor) -> torch.Tensor:

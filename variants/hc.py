@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from variants.base import register
-from variants.ops import normalized_projection
-from variants.ops.streams import ExpandedStream, mix_dtype
+from variants.ops import mix_dtype, normalized_projection
+from variants.ops.streams import ExpandedStream
 from variants.registry import knob
 
 

@@ -22,8 +22,8 @@ from torch import nn
 
 from variants.base import register
 from variants.kernels.sinkhorn import sinkhorn
-from variants.ops import normalized_projection
-from variants.ops.streams import ExpandedStream, mix_dtype
+from variants.ops import mix_dtype, normalized_projection
+from variants.ops.streams import ExpandedStream
 from variants.registry import knob
 
 OFF_DIAGONAL_LOGIT = -8.0  # exp(-8) ≈ 3e-4: H^res starts within 1e-3 of the identity for n up to 4

@@ -10,6 +10,11 @@ import torch
 import torch.nn.functional as F
 
 
+def mix_dtype(x: torch.Tensor) -> torch.dtype:
+    """At least float32 for mixing weights, never below the input precision (float64 stays float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``aᵀb`` over the last axis, kept as an axis of 1: (..., c) and (..., c) of the same shape -> (..., 1)."""
     # A batch of 1×c by c×1 products: several times faster on CPU than a product and a sum over a short last axis.

@@ -15,11 +15,7 @@ from __future__ import annotations
 import torch
 
 from variants.base import DepthMixer
-
-
-def mix_dtype(x: torch.Tensor) -> torch.dtype:
-    """At least float32 for mixing weights, never below the input precision (float64 stays float64)."""
-    return torch.promote_types(x.dtype, torch.float32)
+from variants.ops import mix_dtype
 
 
 class ExpandedStream(DepthMixer):
