@@ -62,11 +62,12 @@ class SmallMLP(nn.Module):
 
 def _read_writes(q: torch.Tensor, *writes: torch.Tensor) -> torch.Tensor:
     """``Σ_i v_i (k_iᵀ q)`` per group over the writes so far, given as their keys then their values: ``q``
-    (b, t, g, k), each key (b, t, g, k), each value (b, t, g, v) -> (b, t, g, v), in the writes' precision."""
+    (b, t, g, k), each key (b, t, g, k), each value (b, t, g, v) -> (b, t, g, v), in their precision together."""
     n = len(writes) // 2
     keys, values = torch.stack(writes[:n], -2), torch.stack(writes[n:], -2)  # (b, t, g, n, k|v)
     R = q.numel() // q.shape[-1]
-    m = depth_read(q.to(keys.dtype).reshape(R, -1), keys.view(R, n, -1), values.view(R, n, -1))
+    q = q.to(torch.promote_types(q.dtype, keys.dtype))  # float64 once LDM-RLS's guard has tripped; never below q's
+    m = depth_read(q.reshape(R, -1), keys.view(R, n, -1), values.view(R, n, -1))
     return m.view(*q.shape[:-1], -1)
 
 
@@ -245,8 +246,11 @@ class LDM(DepthMixer):
             k, omega, lam = self._key(z.to(dt), n, layer)
             if self.impl == "dual" and not self.rls:
                 # The value is the sublayer's output, kept in its own precision (bf16 under autocast): widening it
-                # here would add no digits, only bytes to every later read, which widens it as it loads it.
-                return state.keys + (k,), state.values + (value.unflatten(-1, (self.G, self.dv)),), None
+                # here would add no digits, only bytes to every later read, which widens it as it loads it. The key,
+                # a unit vector computed in float32, is kept in that precision too: its rounding adds nothing
+                # measurable to the values' own (tests/test_ldm_fast.py), and it halves the bytes every read loads.
+                key = k.to(value.dtype) if value.dtype.itemsize < k.dtype.itemsize else k
+                return state.keys + (key,), state.values + (value.unflatten(-1, (self.G, self.dv)),), None
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:

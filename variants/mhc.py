@@ -23,10 +23,16 @@ from torch import nn
 from variants.base import register
 from variants.kernels.sinkhorn import sinkhorn
 from variants.ops import mix_dtype, normalized_projection
+from variants.ops.recompute import recomputed
 from variants.ops.streams import ExpandedStream
 from variants.registry import knob
 
 OFF_DIAGONAL_LOGIT = -8.0  # exp(-8) ≈ 3e-4: H^res starts within 1e-3 of the identity for n up to 4
+
+
+def _projection(X: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+    """``RMSNorm(vec(X)) φ`` per token: (b, t, n, d) and (n·d, n·n + 2n) -> (b, t, n·n + 2n)."""
+    return normalized_projection(X, phi, dims=2)
 
 
 @register("mhc")
@@ -66,8 +72,9 @@ class ManifoldHyperConnections(ExpandedStream):
         # RMSNorm(vec(X)) φ, (b, t, n·n + 2n): the norm over all n·d channels of a token at once. The product
         # takes the caller's autocast, like the trunk's linear layers (bf16 on tensor cores): H^res is doubly
         # stochastic and averages streams that differ little, so the rounding stays at PreLN's own bf16 error. The
-        # norm, the gates and Sinkhorn stay float32.
-        z = normalized_projection(X.to(dt), self.phi[layer].to(dt), dims=2).to(dt)
+        # norm, the gates and Sinkhorn stay float32. Recomputed in backward, so that autocast's bf16 copy of X (n·d
+        # per token and layer) is not kept for it.
+        z = recomputed(_projection, X.to(dt), self.phi[layer].to(dt)).to(dt)
         alpha, bias = self.alpha[layer].to(dt), self.bias[layer].to(dt)
         pre = torch.sigmoid(alpha[0] * z[..., :n] + bias[:n])
         post = 2.0 * torch.sigmoid(alpha[1] * z[..., n : 2 * n] + bias[n : 2 * n])
