@@ -72,9 +72,11 @@ class ManifoldHyperConnections(ExpandedStream):
         # RMSNorm(vec(X)) φ, (b, t, n·n + 2n): the norm over all n·d channels of a token at once. The product
         # takes the caller's autocast, like the trunk's linear layers (bf16 on tensor cores): H^res is doubly
         # stochastic and averages streams that differ little, so the rounding stays at PreLN's own bf16 error. The
-        # norm, the gates and Sinkhorn stay float32. Recomputed in backward, so that autocast's bf16 copy of X (n·d
-        # per token and layer) is not kept for it.
-        z = recomputed(_projection, X.to(dt), self.phi[layer].to(dt)).to(dt)
+        # norm, the gates and Sinkhorn stay float32. Under autocast it is recomputed in backward, so that autocast's
+        # bf16 copy of X (n·d per token and layer) is not kept for it; without, nothing would be saved by that.
+        X, phi = X.to(dt), self.phi[layer].to(dt)
+        autocast = torch.is_autocast_enabled(X.device.type)
+        z = (recomputed(_projection, X, phi) if autocast else _projection(X, phi)).to(dt)
         alpha, bias = self.alpha[layer].to(dt), self.bias[layer].to(dt)
         pre = torch.sigmoid(alpha[0] * z[..., :n] + bias[:n])
         post = 2.0 * torch.sigmoid(alpha[1] * z[..., n : 2 * n] + bias[n : 2 * n])
