@@ -67,15 +67,17 @@ def _models(layers: int, groups: int, key_dim: int, lam, alpha: float):
     spec = f"ldm-rls(groups={groups},key_dim={key_dim},lambda={knob},alpha={alpha})"
     ref = build_model(model_preset("tiny", n_blocks=layers // 2), spec).to(torch.float64)
     mixer = ref.mixer
+    gain = mixer.cfg.scalar_lr  # ω's and λ's logits are these parameters times the gain: set in logit units
     with torch.no_grad():
-        # ω's bias at ±8 (ω ≈ 7e-4 or ≈ 2), half of the (write, group) pairs each way in a random order, so both
-        # ends occur whatever the draw, even with a single group over few writes.
+        # ω's logit bias at ±8 (ω ≈ 7e-4 or ≈ 2), half of the (write, group) pairs each way in a random order, so
+        # both ends occur whatever the draw, even with a single group over few writes. Set without the gain, the
+        # logits were ±80 and ω fell to 1e-32, where a read's norm is below float32's smallest normal number.
         signs = _shuffled_signs(len(mixer.keys) * groups).view(len(mixer.keys), groups)
         for mlp, sign in zip(mixer.keys, signs):
-            mlp.fc2.weight[groups * key_dim :].normal_(0.0, 0.5)
-            mlp.fc2.bias[groups * key_dim :].copy_(8.0 * sign)
+            mlp.fc2.weight[groups * key_dim :].normal_(0.0, 0.5 / gain)
+            mlp.fc2.bias[groups * key_dim :].copy_(8.0 * sign / gain)
         if lam == "bounds":
-            mixer.theta.copy_(10.0 * _shuffled_signs(mixer.theta.numel()).view_as(mixer.theta))
+            mixer.theta.copy_(10.0 / gain * _shuffled_signs(mixer.theta.numel()).view_as(mixer.theta))
     fast = copy.deepcopy(ref).to(torch.float32)
     fast.mixer.step_checks()  # the guard's minimum starts from this model's own steps
     ref.mixer.impl = "recurrent"
