@@ -282,15 +282,20 @@ def test_memory_math_stays_float32_under_bf16(spec, rng_seed):
 
 
 @pytest.mark.parametrize("spec", ["ldm", "ldm-rls", "ldm-rls(qk_source=read)"])
-def test_query_and_key_networks_take_autocasts_precision(spec, rng_seed):
-    """Under bf16 autocast every linear layer, the trunk's and the query and key networks' alike, multiplies in bf16
-    (tensor cores on a card); the depth reads and the whitening, batched products over the writes, stay float32."""
+def test_key_and_query_networks_precision_under_autocast(spec, rng_seed):
+    """Under bf16 autocast the trunk's linear layers and the query networks multiply in bf16 (tensor cores on a
+    card), and so do LDM's key networks; LDM-RLS's key networks multiply in float32, since its writes are whitened
+    against each other (tests/test_rls_float32.py). The depth reads and the whitening stay float32."""
     model = build_model(model_preset("tiny"), spec)
-    networks = len(model.mixer.keys) + sum(isinstance(q, SmallMLP) for q in model.mixer.queries)
+    keys = len(model.mixer.keys)
+    queries = sum(isinstance(q, SmallMLP) for q in model.mixer.queries)
     products = MatrixProducts()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), products:
         model(torch.randint(0, 512, (2, T)))
-    assert products.seen["2d"].count(torch.bfloat16) == len(products.seen["2d"]) >= 2 * networks
+    float32 = products.seen["2d"].count(torch.float32)
+    assert float32 == (2 * keys if model.mixer.rls else 0)  # fc1 and fc2 of each key network
+    bf16 = products.seen["2d"].count(torch.bfloat16)
+    assert bf16 == len(products.seen["2d"]) - float32 >= 2 * queries + (0 if model.mixer.rls else 2 * keys)
     assert products.seen["batched"] and set(products.seen["batched"]) == {torch.float32}
 
 

@@ -22,6 +22,7 @@ Axes: b batch, t time, d width, g groups, v value width d/G, k key width d_k, l 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -239,9 +240,13 @@ class LDM(DepthMixer):
         """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``_qk_input``: the new memory part
         of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay)`` in the dual form."""
         dt = torch.promote_types(value.dtype, torch.float32)
-        # The key network's matmuls run in the caller's precision (bf16 on tensor cores under autocast, like the
-        # trunk's own projections); from its output on, keys, ω and the memory are in float32.
-        z = self.keys[n](self._qk_input(state).to(dt))
+        # LDM's key network multiplies in the caller's precision (bf16 on tensor cores under autocast, like the
+        # trunk's projections). LDM-RLS's multiplies in float32: its writes are whitened against each other, which
+        # amplifies a key's rounding by the keys' conditioning; in bf16 its logits' error reached 14 times PreLN's
+        # own (tests/test_rls_float32.py). From the network's output on, keys, ω and the memory are float32.
+        precision = torch.autocast(value.device.type, enabled=False) if self.rls else contextlib.nullcontext()
+        with precision:
+            z = self.keys[n](self._qk_input(state).to(dt))
         with torch.autocast(device_type=value.device.type, enabled=False):
             k, omega, lam = self._key(z.to(dt), n, layer)
             if self.impl == "dual" and not self.rls:
