@@ -170,7 +170,7 @@ def test_bf16_error_within_twice_prelns_own(layers, groups, key_dim, lam, alpha,
     from the bf16 rounding of the layers' outputs, which strong forgetting over few key dimensions amplifies, and
     any implementation has it. With bf16 key networks, 32 draws in 200 were beyond twice PreLN's error, up to 14
     times, and the dual form's error and the recursion's, each amplifying its own roundings, differed by up to 3.5
-    times either way; the key networks multiply in float32 since (docs/variants.md)."""
+    times either way; so LDM-RLS's key networks multiply in float32 (docs/variants.md)."""
     ref, fast = _models(layers, groups, key_dim, lam, alpha)
     preln = build_model(model_preset("tiny", n_blocks=layers // 2), "preln").to(torch.float64)
     preln.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("mixer.")})

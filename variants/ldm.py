@@ -285,7 +285,7 @@ class LDM(DepthMixer):
             return x
         src = self._qk_input(state)
         dt = torch.promote_types(x.dtype, torch.float32)
-        z = self.queries[reader](src.to(dt))  # in the caller's precision, as the key network (``_write_memory``)
+        z = self.queries[reader](src.to(dt))  # in the caller's precision, as LDM's key networks (``_write_memory``)
         with torch.autocast(device_type=x.device.type, enabled=False):
             q = self._query(z.to(dt))
             self.record("q", reader, q)  # (b, t, g, k)
