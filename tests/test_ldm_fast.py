@@ -4,6 +4,7 @@ the layer-by-layer memory, float32 and bf16 behaviour, and that no per-layer mem
 
 from __future__ import annotations
 
+import mpmath
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,6 +126,88 @@ def test_whitened_writes_are_the_inverse_cholesky_factor(groups, key_dim, n, rng
     torch.testing.assert_close(
         torch.einsum("bgn,bgnv->bgv", weights, V), torch.einsum("bgvk,bgk->bgv", reference, q), rtol=1e-9, atol=1e-11
     )
+
+
+PREFIXES = range(8, 49, 8)  # the reads checked: after every eighth of 48 writes
+
+
+def _square_root_reads(keys, values, ridge, query):
+    """The reads ``M_n q`` after the ``PREFIXES`` writes, through ``rls.whiten_square_root``, and the smallest
+    margin: keys (r, n, k), values (r, n, v), ridge (r, n), query (r, k) -> reads (len(PREFIXES), r, v), margin."""
+    n = keys.shape[1]
+    writes, reads, margins = ((), (), ()), [], []
+    for i in range(n):
+        k, v, c, margin = ldm_rls.whiten_square_root(keys[:, i], values[:, i], ridge[:, i], i, n, writes)
+        writes = tuple(w + (x,) for w, x in zip(writes, (k, v, c)))
+        if i + 1 in PREFIXES:
+            reads.append(sum(v * (k * query).sum(-1, keepdim=True) for k, v in zip(writes[0], writes[1])))
+        margins.append(margin)
+    return torch.stack(reads), float(min(margins))
+
+
+def _exact_reads(keys, values, ridge, query, digits: int = 60):
+    """The same reads by solving ``(K Kᵀ + D) r = K q`` in ``digits``-digit arithmetic."""
+    with mpmath.workdps(digits):
+        out = []
+        for K, V, d, q in zip(keys.tolist(), values.tolist(), ridge.tolist(), query.tolist()):
+            rows = []
+            for n in PREFIXES:
+                Km = mpmath.matrix(K[:n])
+                gram = Km * Km.T + mpmath.diag([mpmath.mpf(x) for x in d[:n]])
+                weights = mpmath.lu_solve(gram, Km * mpmath.matrix(q))
+                rows.append([float(x) for x in mpmath.matrix(V[:n]).T * weights])
+            out.append(rows)
+    return torch.tensor(out, dtype=torch.float64).transpose(0, 1)
+
+
+def _forgetting_writes(rows: int, n: int, key_dim: int, lam: float):
+    """Unit keys, values, a query, and the ridge terms of ``n`` writes at a fixed λ with α = 0.1 and ω at 7e-4 or
+    2 (half each, in a random order): the strongest forgetting the stress grid of ``test_rls_float32.py`` has."""
+    keys = F.normalize(torch.randn(rows, n, key_dim, dtype=torch.float64), dim=-1)
+    values = torch.randn(rows, n, 5, dtype=torch.float64)
+    query = F.normalize(torch.randn(rows, key_dim, dtype=torch.float64), dim=-1)
+    omega = torch.where(torch.arange(rows * n).remainder(2) == 0, 7e-4, 2.0)[torch.randperm(rows * n)]
+    decay = torch.full((rows, n), lam, dtype=torch.float64).cumprod(-1)
+    return keys, values, ldm_rls.ridge_diagonal(decay, omega.view(rows, n).double(), 0.1), query
+
+
+@pytest.mark.parametrize("key_dim", [2, 4])
+def test_square_root_whitening_keeps_the_digits_the_subtraction_loses(key_dim, rng_seed):
+    """48 writes at λ = 0.5: ridge terms down to ~1e-14, below the margin at which ``whiten``'s subtraction keeps
+    its digits even in float64 (it lost ~3e-4 of a read there). The square-root form's reads stay within 1e-11 of
+    a 60-digit solve; and its k̃, ṽ are ``whiten``'s where that is accurate (few writes)."""
+    keys, values, ridge, query = _forgetting_writes(3, 48, key_dim, 0.5)
+    reads, margin = _square_root_reads(keys, values, ridge, query)
+    want = _exact_reads(keys, values, ridge, query)
+    assert margin < ldm_rls.min_margin(torch.float64)  # where the subtraction is not to be trusted
+    assert margin > ldm_rls.min_margin(torch.float64, square_root=True)
+    error = (reads - want).norm(dim=-1) / want.norm(dim=-1)
+    assert float(error.max()) < 1e-11
+    few = (keys[:, :3], values[:, :3], ridge[:, :3])
+    writes, kt, vt = ((), (), ()), (), ()
+    for i in range(3):
+        k, v, c, _ = ldm_rls.whiten_square_root(few[0][:, i], few[1][:, i], few[2][:, i], i, 3, writes)
+        writes = tuple(w + (x,) for w, x in zip(writes, (k, v, c)))
+        k_sub, v_sub, _ = ldm_rls.whiten(few[0][:, i], few[1][:, i], few[2][:, i], kt, vt)
+        kt, vt = kt + (k_sub,), vt + (v_sub,)
+        torch.testing.assert_close(k, k_sub, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(v, v_sub, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("lam", [0.3, 0.25, 0.2])
+def test_square_root_whitening_is_accurate_above_its_floor(lam, rng_seed):
+    """``min_margin(float64, square_root=True)`` is the floor the guard holds the square-root form to: where the
+    smallest margin is above it the reads are within 1e-5 of a 60-digit solve; the form loses digits as ε² / margin,
+    so stronger forgetting (λ = 0.2 over 48 writes, ridge terms ~1e-33) falls below it and the guard must say so."""
+    keys, values, ridge, query = _forgetting_writes(2, 48, 4, lam)
+    reads, margin = _square_root_reads(keys, values, ridge, query)
+    want = _exact_reads(keys, values, ridge, query)
+    error = float(((reads - want).norm(dim=-1) / want.norm(dim=-1)).max())
+    if margin >= ldm_rls.min_margin(torch.float64, square_root=True):
+        assert error < 1e-5
+    assert error < 100 * torch.finfo(torch.float64).eps ** 2 / margin
+    if lam == 0.2:
+        assert margin < ldm_rls.min_margin(torch.float64, square_root=True)
 
 
 @pytest.mark.parametrize("spec", ["ldm(groups=1)", "ldm-rls(groups=1)", "ldm-rls(read=memory,groups=1)"])

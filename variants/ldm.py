@@ -140,8 +140,8 @@ class LDM(DepthMixer):
         # the spec's recursion with M (and P) materialized at every layer, kept as the reference.
         self.impl: Literal["dual", "recurrent"] = "dual"
         # LDM-RLS, dual form: the least precision its whitening (and so its reads) runs in. ``step_checks`` raises
-        # it to float64 once the float32 guard has tripped; a Python attribute, so a compiled graph recompiles for
-        # it instead of branching on a tensor.
+        # it to float64 once the guard has tripped, and the whitening then takes the square-root form; a Python
+        # attribute, so a compiled graph recompiles for it instead of branching on a tensor.
         self.whiten_dtype = torch.float32
         if not self.uses_memory:
             return  # read=residual is PreLN: no memory, no parameters, nothing to compute.
@@ -178,15 +178,15 @@ class LDM(DepthMixer):
             return rls.forgetting_factor(self.theta[n].to(like.dtype) * self.cfg.scalar_lr)
         return torch.full((self.G,), float(self.cfg.lambda_), dtype=like.dtype, device=like.device)
 
-    def _note_margin(self, margin: torch.Tensor, dtype: torch.dtype) -> None:
+    def _note_margin(self, margin: torch.Tensor, floor: float) -> None:
         if self.margin.device == margin.device:  # not on the meta device, where a config is only validated
-            self.margin.copy_(torch.minimum(self.margin, margin.detach().to(self.margin.dtype) / rls.min_margin(dtype)))
+            self.margin.copy_(torch.minimum(self.margin, margin.detach().to(self.margin.dtype) / floor))
 
     def step_checks(self) -> str | None:
         """LDM-RLS: whether a whitening margin fell below ``rls.min_margin`` since the last call, read from the
-        device once per step instead of once per write. Then the whitening runs in float64 from here on
-        (``whiten_dtype``) and the sentence says so; the caller decides what to do with the step that lost its
-        digits."""
+        device once per step instead of once per write. Then the whitening runs in float64, in the square-root
+        form, from here on (``whiten_dtype``) and the sentence says so; the caller decides what to do with the step
+        that lost its digits."""
         if not self.rls or not self.uses_memory:
             return None
         worst = float(self.margin)
@@ -200,8 +200,8 @@ class LDM(DepthMixer):
             )
         self.whiten_dtype = torch.float64
         return (
-            f"a whitening margin of LDM-RLS fell to {worst:.2g} of its float32 floor, so its reads lost precision; "
-            "its whitening and reads run in float64 from here on"
+            f"a whitening margin of LDM-RLS fell to {worst:.2g} of its floor, so its reads lost precision; "
+            "its whitening and reads run in float64 from here on, in the square-root form"
         )
 
     def _query(self, z: torch.Tensor) -> torch.Tensor:
@@ -238,7 +238,7 @@ class LDM(DepthMixer):
 
     def _write_memory(self, state, n: int, layer: int, value: torch.Tensor):
         """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``_qk_input``: the new memory part
-        of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay)`` in the dual form."""
+        of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay, coords)`` in the dual form."""
         dt = torch.promote_types(value.dtype, torch.float32)
         # LDM's key network multiplies in the caller's precision (bf16 on tensor cores under autocast, like the
         # trunk's projections). LDM-RLS's multiplies in float32: its writes are whitened against each other, which
@@ -255,7 +255,8 @@ class LDM(DepthMixer):
                 # a unit vector computed in float32, is kept in that precision too: it halves the bytes every read
                 # loads, for logits within a few percent of float32 keys' error (tests/test_ldm_fast.py). ``dt`` is
                 # never below the value's precision, so this only ever rounds the key down to it.
-                return state.keys + (k.to(value.dtype),), state.values + (value.unflatten(-1, (self.G, self.dv)),), None
+                values = state.values + (value.unflatten(-1, (self.G, self.dv)),)
+                return state.keys + (k.to(value.dtype),), values, None, ()
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:
@@ -265,9 +266,17 @@ class LDM(DepthMixer):
             wt = torch.promote_types(dt, self.whiten_dtype)
             decay = lam.to(wt) if state.decay is None else state.decay * lam.to(wt)  # Π_{j≤n} λ_j
             ridge = rls.ridge_diagonal(decay, omega.to(wt), self.cfg.alpha)
-            k, v, margin = rls.whiten(k.to(wt), v.to(wt), ridge, state.keys, state.values)
-            self._note_margin(margin, wt)
-            return state.keys + (k,), state.values + (v,), decay
+            square_root, coords = self.whiten_dtype == torch.float64, ()
+            if square_root:
+                # Where the guard has sent a model whose whitening lost its digits: the square-root form does not
+                # subtract what cancelled, so float64 does not lose the same digits again (rls.whiten_square_root).
+                writes = (state.keys, state.values, state.coords)
+                k, v, c, margin = rls.whiten_square_root(k.to(wt), v.to(wt), ridge, n, len(self.keys), writes)
+                coords = state.coords + (c,)
+            else:
+                k, v, margin = rls.whiten(k.to(wt), v.to(wt), ridge, state.keys, state.values)
+            self._note_margin(margin, rls.min_margin(wt, square_root))
+            return state.keys + (k,), state.values + (v,), decay, coords
 
     def _read(self, state, reader: int) -> torch.Tensor:
         """Reader ``reader``'s input, kept as the latest read when queries and keys come from the reads."""
@@ -320,8 +329,8 @@ class LDM(DepthMixer):
         """The state with residual ``x`` and the memory part returned by ``_write_memory``."""
         if self.impl == "recurrent":
             return LDMState(x, *memory, state.pending)
-        keys, values, decay = memory
-        return state._replace(x=x, keys=keys, values=values, decay=decay)
+        keys, values, decay, coords = memory
+        return state._replace(x=x, keys=keys, values=values, decay=decay, coords=coords)
 
     def read(self, state, layer):
         return self._read(state, layer)

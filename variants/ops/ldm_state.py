@@ -31,6 +31,7 @@ class DualState(NamedTuple):
     values: tuple[torch.Tensor, ...] = ()
     decay: torch.Tensor | None = None  # RLS: Π_j λ_j over the writes so far, (g,)
     alpha: float | None = None  # RLS: the ridge scale; None for the outer-product write
+    coords: tuple[torch.Tensor, ...] = ()  # RLS in float64: each write's ridge coordinates (rls.whiten_square_root)
     pending: dict | None = None  # qk_source=read: the latest read, under "read" (see ``LDM._qk_input``)
 
     @property

@@ -14,12 +14,13 @@ Precision. The dual form is exact in exact arithmetic, but its Gram matrix ``K K
 ``D``'s range: with forgetting, ``d_i`` shrinks like ``Π λ`` (to ~1e-15 after 48 writes at λ = 0.5) while the keys
 of more writes than key dimensions are linearly dependent, so the Schur complement ``δ²`` of a late write is a
 tiny difference of O(1) numbers and float32 loses it (relative errors up to 1 and beyond were measured). The
-regression itself stays well conditioned (a float32 rounding of its inputs moves the float64 answer by ~1e-7).
-``whiten`` therefore also returns its margin, the smallest ``δ² / (|k|² + d_n)``: the relative size of what
-survives the cancellation. Above ``min_margin(dtype)`` the dual form is accurate (the measured error stays below
-1e-5 in float32). The margin is kept on the device and read once per step (``LDM.step_checks``); once it has
-fallen below the floor, the model whitens and reads in float64 from the next step on. Measurements are in
-docs/ldm-performance.md.
+regression itself is far better conditioned (a float32 rounding of its inputs moves the float64 answer by ~1e-7,
+and by up to 4e-5 at 48 writes of λ = 0.5 with α = 0.1). ``whiten`` therefore also returns its margin, the
+smallest ``δ² / (|k|² + d_n)``: the relative size of what survives the cancellation. Above ``min_margin(dtype)``
+the dual form is accurate (the measured error stays below 1e-5 in float32). The margin is kept on the device and
+read once per step (``LDM.step_checks``); once it has fallen below the floor, the model whitens in float64 from
+the next step on, in the square-root form (``whiten_square_root``), which never forms that difference: float64
+alone still lost up to 2e-3 of a read at the edge above. Measurements are in docs/ldm-performance.md.
 
 Axes: ``...`` any leading batch axes (b t for the model), g groups, v value width d/G, k key width d_k,
 n writes in depth order.
@@ -27,6 +28,7 @@ n writes in depth order.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -158,10 +160,66 @@ def _whiten_stacked(k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, *writ
     return kt.view(k.shape), vt.view(v.shape), margin.amin()
 
 
-def min_margin(dtype: torch.dtype) -> float:
-    """The smallest ``whiten`` margin at which the dual form is still accurate in ``dtype``: 1e-2 in float32
-    (measured: reads within 1e-5 of float64 above it), scaled by the precision's epsilon for other dtypes."""
-    return 1e-2 * torch.finfo(dtype).eps / torch.finfo(torch.float32).eps
+def whiten_square_root(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ridge: torch.Tensor,
+    position: int,
+    n_writes: int,
+    writes: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``whiten`` in the square-root form: the same ``(k̃_n, ṽ_n)`` and margin, without the subtraction that
+    cancels, at twice the arithmetic and ``n_writes`` more numbers kept per write: where LDM-RLS's guard sends a
+    model whose float32 whitening lost its digits.
+
+    The Gram matrix ``K Kᵀ + D`` is ``AᵀA`` for the columns ``a_i = [k_i; √d_i e_i]`` (``e_i`` the ``i``-th of
+    ``n_writes`` unit vectors), and ``L`` is the ``R`` of their QR factorisation. Gram–Schmidt on these columns gives
+    ``δ`` as the norm of what is left of ``a_n``, a sum of squares, where ``whiten`` subtracts ``|l|²`` from
+    ``|k|² + d_n`` and so loses digits as ε / margin (float64 lost them at 48 writes of λ = 0.5). Classical
+    Gram–Schmidt loses the columns' orthogonality as the square of their condition, so the projection runs twice,
+    which keeps it to ε. The reads then lose digits as ε² / margin (measured against a 90-digit solve), hence
+    ``min_margin``'s floor for this form.
+
+    ``position`` is this write's index ``n`` of ``n_writes``; ``writes`` the earlier whitened keys, values and their
+    coordinates along the ridge directions, ``c̃_j = (√D L⁻ᵀ)_j``, each (..., g, ``n_writes``). Returns
+    ``(k̃_n, ṽ_n, c̃_n, margin)``, the margin as in ``whiten``."""
+    keys, values, coords = writes
+    return recomputed(
+        functools.partial(_square_root_stacked, position, n_writes, len(keys)),
+        k,
+        v,
+        torch.broadcast_to(ridge, k.shape[:-1]),
+        *keys,
+        *values,
+        *coords,
+    )
+
+
+def _square_root_stacked(position: int, n_writes: int, n: int, k, v, ridge, *writes) -> tuple:
+    """``whiten_square_root`` with the earlier writes given flat, as their keys, values, then coordinates."""
+    unit = k.new_zeros(n_writes)
+    unit[position] = 1.0
+    top, rest, bottom = k, v, ridge.sqrt().unsqueeze(-1) * unit  # the column a_n: (..., k), (..., v), (..., n_writes)
+    if n:
+        K, V, C = (torch.stack(writes[i * n : (i + 1) * n], -2) for i in range(3))  # (..., n, k | v | n_writes)
+        for _ in range(2):
+            coeff = (K @ top.unsqueeze(-1) + C @ bottom.unsqueeze(-1)).mT  # l_j, (..., 1, n)
+            top, rest, bottom = (x - (coeff @ X).squeeze(-2) for x, X in ((top, K), (rest, V), (bottom, C)))
+    sq = top.square().sum(-1) + bottom.square().sum(-1)  # δ², never below d_n: c̃_j is zero at every later position
+    delta = sq.sqrt().unsqueeze(-1)
+    margin = sq / (k.square().sum(-1) + ridge)
+    return top / delta, rest / delta, bottom / delta, margin.amin()
+
+
+def min_margin(dtype: torch.dtype, square_root: bool = False) -> float:
+    """The smallest whitening margin at which the dual form's reads are still accurate. ``whiten`` loses digits as
+    ε / margin: 1e-2 in float32 (measured: reads within 1e-5 of float64 above it), scaled by the precision's ε for
+    other dtypes. ``whiten_square_root`` (float64) loses them as ε² / margin: (1e3 ε)² ≈ 5e-26 (reads within about
+    1e-6 of a 90-digit solve at that margin)."""
+    eps = torch.finfo(dtype).eps
+    if square_root:
+        return (1e3 * eps) ** 2
+    return 1e-2 * eps / torch.finfo(torch.float32).eps
 
 
 def read_weights(keys: torch.Tensor, ridge: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
