@@ -181,6 +181,18 @@ def test_bf16_error_within_twice_prelns_own(layers, groups, key_dim, lam, alpha,
     assert 0 < _rel(got_logits, want_logits) <= max(2 * preln_error, 1.25 * recursion_error)
 
 
+def test_the_guard_says_when_even_the_square_root_form_loses_its_digits(rng_seed):
+    """Beyond the stress grid, λ = 0.2 over 48 writes takes the ridge terms to ~1e-34, below the square-root form's
+    floor (it loses digits as ε² / margin, ``test_ldm_fast.py``): after the fallback the guard trips again and says
+    that even float64 lost precision."""
+    _, fast = _models(48, 16, 4, 0.2, 0.1)
+    idx = torch.randint(0, VOCAB, (B, T))
+    _run(fast, idx)
+    assert "float64 from here on" in fast.mixer.step_checks()
+    _run(fast, idx)
+    assert "even in float64" in fast.mixer.step_checks()
+
+
 def test_square_root_gradients_match_central_differences_at_the_hardest_point(rng_seed):
     """At 48 writes of λ = 0.5 with α = 0.1 the float64 recursion's reads stay within 1e-12 of the exact answer but
     its gradients do not (measured up to 8e-3 off central differences in the early key networks, the subtraction
