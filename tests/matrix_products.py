@@ -6,7 +6,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class MatrixProducts(TorchDispatchMode):
-    """Records the dtype of every matrix product: 2-D (``mm``, ``addmm``: linear layers) and batched (``bmm``)."""
+    """Records the dtype of every matrix product: 2-D (``mm``, ``addmm``: linear layers) and batched (``bmm``, and
+    a depth buffer's read, whose products run inside its op in its query's dtype)."""
 
     def __init__(self):
         super().__init__()
@@ -18,4 +19,6 @@ class MatrixProducts(TorchDispatchMode):
             self.seen["2d"].append(args[-1].dtype)
         elif name in ("bmm", "baddbmm"):
             self.seen["batched"].append(args[-1].dtype)
+        elif name == "depth_buffer_read":
+            self.seen["batched"].append(args[0].dtype)
         return func(*args, **(kwargs or {}))

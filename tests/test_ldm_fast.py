@@ -89,7 +89,7 @@ def test_dual_state_holds_the_recurrent_memory_after_every_layer(spec, rng_seed)
             torch.testing.assert_close(a, recurrent.mixer.read(s_rec, layer), rtol=1e-10, atol=1e-12)
             v = torch.randn_like(e)
             s_dual, s_rec = dual.mixer.write(s_dual, layer, v), recurrent.mixer.write(s_rec, layer, v)
-            assert len(s_dual.keys) == layer + 1 + dual.mixer.embed_write
+            assert s_dual.n_writes == layer + 1 + dual.mixer.embed_write
             torch.testing.assert_close(s_dual.M, s_rec.M, rtol=1e-10, atol=1e-12)
             if dual.mixer.rls:
                 torch.testing.assert_close(s_dual.P, s_rec.P, rtol=1e-10, atol=1e-10)
@@ -265,16 +265,27 @@ def test_dual_state_stays_float32_under_bf16_and_float64_in_float64(spec, rng_se
             state = model.mixer.write(state, layer, model.layers[layer](model.mixer.read(state, layer)))
         head = model.mixer.read_head(state)
         assert head.dtype == torch.bfloat16
-        widened = state._replace(
-            keys=tuple(k.float() for k in state.keys), values=tuple(v.float() for v in state.values)
-        )
+        if state.buffer is not None:
+            buffer = state.buffer._replace(keys=state.buffer.keys.float(), values=state.buffer.values.float())
+            widened = state._replace(buffer=buffer)
+        else:
+            widened = state._replace(
+                keys=tuple(k.float() for k in state.keys), values=tuple(v.float() for v in state.values)
+            )
         assert torch.equal(model.mixer.read_head(widened), head)
     outer = spec == "ldm"
-    assert all(t.dtype == (torch.bfloat16 if outer else torch.float32) for t in state.keys + state.values)
+    assert all(t.dtype == (torch.bfloat16 if outer else torch.float32) for t in _writes(state))
     model = model.to(torch.float64)
     with torch.no_grad():
         state = model.mixer.write(model.mixer.init_state(e.double()), 0, e.double())
-    assert all(t.dtype == torch.float64 for t in state.keys + state.values)
+    assert all(t.dtype == torch.float64 for t in _writes(state))
+
+
+def _writes(state) -> tuple[torch.Tensor, ...]:
+    """The stored keys and values of a dual state: a depth buffer's, or RLS's whitened writes."""
+    if state.buffer is not None:
+        return state.buffer.keys, state.buffer.values
+    return state.keys + state.values
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,10 +10,12 @@ query MLP.
 Two implementations compute the same function (``mixer.impl``). ``dual``, the default, never forms ``M``: it keeps
 the writes ``(k_i, v_i)`` and reads ``M q = Σ_i v_i (k_iᵀ q)``, linear attention over depth (for RLS the writes are
 whitened first, ``rls.whiten``), so backward keeps no per-layer memory and a read costs O(writes · d) per
-token. It is one set of plain tensor operations that eager CPU and GPU runs and ``torch.compile`` all take: the
-writes stacked along depth for every read (and again in backward, so that a step keeps each write once, not a
-stacked copy per read: ``variants/ops/recompute.py``), and the read and the whitening through the dispatch
-functions of ``variants/kernels/`` (the fused kernels where they run, their ``naive.py`` elsewhere). ``recurrent``
+token. It is one set of operations that eager CPU and GPU runs and ``torch.compile`` all take. LDM's writes go
+once into a depth buffer that every read reads in place and whose gradient the reads' backward sums in place
+(``variants/kernels/depth_read/buffer.py``); LDM-RLS's whitened writes are stacked along depth for every read and
+whitening (and again in backward, so that a step keeps each write once, not a stacked copy per read:
+``variants/ops/recompute.py``). The reads and the whitening go through the dispatch functions of
+``variants/kernels/`` (the fused kernels where they run, their ``naive.py`` elsewhere). ``recurrent``
 materializes ``M`` (and ``P``) at every layer exactly as the spec writes it; it is the reference the tests hold
 the dual form to, and costs O(d · d_k) per layer whatever the depth (docs/ldm-performance.md).
 
@@ -33,6 +35,7 @@ from torch import nn
 
 from variants.base import DepthMixer, register
 from variants.kernels.depth_read import depth_read
+from variants.kernels.depth_read.buffer import DepthBuffer
 from variants.ops import ldm_costs, ldm_knobs, rls
 from variants.ops.layers import RMSNorm
 from variants.ops.ldm_state import DualState, LDMState
@@ -238,7 +241,8 @@ class LDM(DepthMixer):
 
     def _write_memory(self, state, n: int, layer: int, value: torch.Tensor):
         """Write ``value`` (b, t, d) under the key of write ``n`` computed from ``_qk_input``: the new memory part
-        of the state, ``(M, P)`` in the recurrent form, ``(keys, values, decay, coords)`` in the dual form."""
+        of the state, ``(M, P)`` in the recurrent form, its changed fields in the dual form (the depth buffer for
+        the outer-product write; the whitened keys and values, the decay and the ridge coordinates for RLS)."""
         dt = torch.promote_types(value.dtype, torch.float32)
         # LDM's key network multiplies in the caller's precision (bf16 on tensor cores under autocast, like the
         # trunk's projections). LDM-RLS's multiplies in float32: its writes are whitened against each other, which
@@ -255,8 +259,9 @@ class LDM(DepthMixer):
                 # a unit vector computed in float32, is kept in that precision too: it halves the bytes every read
                 # loads, for logits within a few percent of float32 keys' error (tests/test_ldm_fast.py). ``dt`` is
                 # never below the value's precision, so this only ever rounds the key down to it.
-                values = state.values + (value.unflatten(-1, (self.G, self.dv)),)
-                return state.keys + (k.to(value.dtype),), values, None, ()
+                k, v = k.to(value.dtype).reshape(-1, self.dk), value.reshape(-1, self.dv)  # (R, k), (R, v)
+                buffer = state.buffer or DepthBuffer.allocate(len(self.keys), k, v)
+                return {"buffer": buffer.append(k, v)}
             v = value.to(dt).unflatten(-1, (self.G, self.dv))  # (b, t, g, v)
             if self.impl == "recurrent":
                 if not self.rls:
@@ -276,7 +281,7 @@ class LDM(DepthMixer):
             else:
                 k, v, margin = rls.whiten(k.to(wt), v.to(wt), ridge, state.keys, state.values)
             self._note_margin(margin, rls.min_margin(wt, square_root))
-            return state.keys + (k,), state.values + (v,), decay, coords
+            return {"keys": state.keys + (k,), "values": state.values + (v,), "decay": decay, "coords": coords}
 
     def _read(self, state, reader: int) -> torch.Tensor:
         """Reader ``reader``'s input, kept as the latest read when queries and keys come from the reads."""
@@ -289,7 +294,7 @@ class LDM(DepthMixer):
         """Reader ``reader``'s input: ``x``, ``x + concat_g(M^g q^g)`` or the memory read alone."""
         x = state.x
         # M_{-1} = 0: nothing to read
-        empty = state.M is None if self.impl == "recurrent" else len(state.keys) == 0
+        empty = state.M is None if self.impl == "recurrent" else state.n_writes == 0
         if not self.uses_memory or empty:
             return x
         src = self._qk_input(state)
@@ -300,6 +305,8 @@ class LDM(DepthMixer):
             self.record("q", reader, q)  # (b, t, g, k)
             if self.impl == "recurrent":
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
+            elif not self.rls:
+                m = state.buffer.read(q.reshape(-1, self.dk)).view(*q.shape[:-1], self.dv)
             else:
                 # In the writes' precision (float64 once LDM-RLS's guard has tripped), back in the stream's after.
                 m = recomputed(_read_writes, q, *state.keys, *state.values).to(dt)
@@ -329,8 +336,7 @@ class LDM(DepthMixer):
         """The state with residual ``x`` and the memory part returned by ``_write_memory``."""
         if self.impl == "recurrent":
             return LDMState(x, *memory, state.pending)
-        keys, values, decay, coords = memory
-        return state._replace(x=x, keys=keys, values=values, decay=decay, coords=coords)
+        return state._replace(x=x, **memory)
 
     def read(self, state, layer):
         return self._read(state, layer)

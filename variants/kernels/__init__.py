@@ -5,7 +5,8 @@ and the fallback wherever the kernel does not run) and ``fused.py`` (the Triton 
 the choice between them in the folder's ``__init__``:
 
 - ``depth_read``: LDM's read ``Σ_i v_i (k_iᵀ q)`` over the writes so far, one pass over each key and value, and a
-  backward that recomputes the scores instead of saving them.
+  backward that recomputes the scores instead of saving them; ``buffer.py`` holds LDM's writes once, depth-major,
+  and sums their gradients in place.
 - ``whiten``: LDM-RLS's write, one Gram–Schmidt step of its dual form against the earlier whitened writes in one
   pass, and a backward that recomputes the projection coefficients.
 - ``softmax_read``: AttnRes's read ``Σ_s softmax_s(ρ_s w·v_s) v_s`` with the key norm ``ρ_s`` taken inside the

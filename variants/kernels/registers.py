@@ -99,9 +99,14 @@ def launches(shape: Shape, state: torch.dtype = torch.float32):
     mHC's logits in ``state`` and everything else in float32; pointers stand in by their dtype."""
     p, s, flags = MockTensor(torch.float32), MockTensor(state), MockTensor(torch.int8)
     rows, width, n = shape.tokens * shape.groups, shape.d_model // shape.groups, shape.sublayers
-    _, sizes, tile = depth_read.launch(rows, n, width, width)
+    # LDM reads a depth buffer and adds into its float32 gradient; LDM-RLS reads its writes stacked per row.
+    _, sizes, tile = depth_read.launch(rows, n, width, width, depth_major=True)
     yield "depth_read._forward", depth_read._forward, (p, s, s, p) + sizes, tile
-    yield "depth_read._backward", depth_read._backward, (p, s, s, p, p, s, s) + sizes, tile
+    args = (p, s, s, p, p, p, p) + sizes
+    yield "depth_read._backward", depth_read._backward, args, dict(tile, ACCUMULATE=True)
+    _, sizes, tile = depth_read.launch(rows, n, width, width)
+    args = (p, s, s, p, p, s, s) + sizes
+    yield "depth_read._backward (stacked)", depth_read._backward, args, dict(tile, ACCUMULATE=False)
     _, sizes, tile = whiten.launch(rows, n, width, width)
     yield "whiten._forward", whiten._forward, (p, p, p, s, s, p, p, p, flags, p) + sizes, tile
     args = (p, s, s, p, p, p, flags, p, p, p, p, p, s, s) + sizes

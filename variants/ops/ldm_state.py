@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from variants.kernels.depth_read.buffer import DepthBuffer
+
 
 class LDMState(NamedTuple):
     """The recurrent form's streams after a layer: residual ``x`` (b, t, d), memory ``M`` (b, t, g, v, k) or None
@@ -22,13 +24,15 @@ class LDMState(NamedTuple):
 
 
 class DualState(NamedTuple):
-    """The dual form's streams: residual ``x`` (b, t, d) and the writes so far, keys (b, t, g, k) and values
-    (b, t, g, v), whitened for RLS (``variants/ops/rls.py``, in float64 once the float32 guard has tripped);
+    """The dual form's streams: residual ``x`` (b, t, d) and the writes so far: for the outer-product write in a
+    depth buffer, each key and value once (``variants/kernels/depth_read/buffer.py``); for RLS its whitened keys
+    (b, t, g, k) and values (b, t, g, v) (``variants/ops/rls.py``, in float64 once the float32 guard has tripped).
     ``M`` and ``P`` rebuild the recurrent form's memory from them, for inspection and tests."""
 
     x: torch.Tensor
-    keys: tuple[torch.Tensor, ...] = ()
-    values: tuple[torch.Tensor, ...] = ()
+    buffer: DepthBuffer | None = None  # the outer-product write's keys and values, (writes, b·t·g, k | v)
+    keys: tuple[torch.Tensor, ...] = ()  # RLS
+    values: tuple[torch.Tensor, ...] = ()  # RLS
     decay: torch.Tensor | None = None  # RLS: Π_j λ_j over the writes so far, (g,)
     alpha: float | None = None  # RLS: the ridge scale; None for the outer-product write
     coords: tuple[torch.Tensor, ...] = ()  # RLS in float64: each write's ridge coordinates (rls.whiten_square_root)
@@ -40,11 +44,18 @@ class DualState(NamedTuple):
         return torch.promote_types(self.x.dtype, torch.float32)
 
     @property
+    def n_writes(self) -> int:
+        return self.buffer.n if self.buffer is not None else len(self.keys)
+
+    @property
     def M(self) -> torch.Tensor | None:
         """``Σ_i ṽ_i k̃_iᵀ`` (b, t, g, v, k), or None before the first write."""
-        if not self.keys:
+        if not self.n_writes:
             return None
-        return sum(v.unsqueeze(-1) * k.unsqueeze(-2) for k, v in zip(self.keys, self.values)).to(self._dtype)
+        keys, values = self.keys, self.values
+        if self.buffer is not None:  # (b·t·g, ·) each, outside autograd
+            keys, values = ([t.view(*self.x.shape[:-1], -1, t.shape[-1]) for t in ts] for ts in self.buffer.written())
+        return sum(v.unsqueeze(-1) * k.unsqueeze(-2) for k, v in zip(keys, values)).to(self._dtype)
 
     @property
     def P(self) -> torch.Tensor | None:
