@@ -65,8 +65,9 @@ class SmallMLP(nn.Module):
 
 
 def _read_writes(q: torch.Tensor, *writes: torch.Tensor) -> torch.Tensor:
-    """``Σ_i v_i (k_iᵀ q)`` per group over the writes so far, given as their keys then their values: ``q``
-    (b, t, g, k), each key (b, t, g, k), each value (b, t, g, v) -> (b, t, g, v), in their precision together."""
+    """LDM-RLS's read, ``Σ_i ṽ_i (k̃_iᵀ q)`` per group over the whitened writes so far, given as their keys then
+    their values: ``q`` (b, t, g, k), each key (b, t, g, k), each value (b, t, g, v) -> (b, t, g, v), in their
+    precision together."""
     n = len(writes) // 2
     keys, values = torch.stack(writes[:n], -2), torch.stack(writes[n:], -2)  # (b, t, g, n, k|v)
     R = q.numel() // q.shape[-1]
