@@ -1,5 +1,6 @@
-"""LDM's depth buffer (variants/kernels/depth_read/buffer.py): writes stored once, reads in place, gradients summed in
-place, against the same chain of reads over stacked writes run by autograd in float64.
+"""LDM's depth buffer (variants/kernels/buffer.py, read by variants/kernels/depth_read/buffer.py): writes stored
+once, reads in place, gradients summed in place, against the same chain of reads over stacked writes run by
+autograd in float64.
 
 Each chain interleaves writes and reads as a model does: write ``i`` is a function of the reads before it, so a
 gradient reaches it through every later read and through the write itself. The reference stacks the writes for every
@@ -13,8 +14,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from variants import kernels
+from variants.kernels.buffer import DepthBuffer
 from variants.kernels.depth_read import naive
-from variants.kernels.depth_read.buffer import DepthBuffer
+from variants.kernels.depth_read.buffer import buffer_read
 
 MODES = ["off", pytest.param("on", marks=pytest.mark.skipif(not kernels.TRITON, reason="needs Triton"))]
 
@@ -45,7 +47,7 @@ class _Chain(torch.nn.Module):
                 m = naive.depth_read(h, torch.stack(keys, 1), torch.stack(values, 1))
             else:
                 buffer = (buffer or DepthBuffer.allocate(self.L, k, v)).append(k, v)
-                m = buffer.read(h)
+                m = buffer_read(buffer, h)
             reads.append(m)
             h = h + torch.tanh(m) @ self.back.to(h.dtype)
         return h, reads
@@ -103,7 +105,7 @@ def test_stored_in_low_precision_and_summed_in_float32(rng_seed, mode, dtype):
                 m = naive.depth_read(q, torch.stack(keys, 1), torch.stack(values, 1))
             else:
                 buffer = (buffer or DepthBuffer.allocate(L, k, v)).append(k, v)
-                m = buffer.read(q)
+                m = buffer_read(buffer, q)
             reads.append(m.double())
         reads = torch.stack(reads)
         return [reads.detach(), *torch.autograd.grad(reads, (sources, queries), weights)]
@@ -138,11 +140,11 @@ def test_writes_without_gradients_and_reads_without_autograd(rng_seed):
     with torch.no_grad():
         buffer = DepthBuffer.allocate(2, k, v).append(k, v)
         assert buffer.grads is None and buffer.token is None
-        torch.testing.assert_close(buffer.read(q), naive.depth_read(q, k[:, None], v[:, None]))
+        torch.testing.assert_close(buffer_read(buffer, q), naive.depth_read(q, k[:, None], v[:, None]))
     # keys that need no gradient: the reads' backward still reaches q
     buffer = DepthBuffer.allocate(2, k, v).append(k, v)
     assert buffer.token is None
-    (g,) = torch.autograd.grad(buffer.read(q).sum(), q)
+    (g,) = torch.autograd.grad(buffer_read(buffer, q).sum(), q)
     torch.testing.assert_close(g, v.sum(-1, keepdim=True) * k)
     keys, values = buffer.written()
     assert len(keys) == 1 and torch.equal(keys[0], k) and torch.equal(values[0], v)

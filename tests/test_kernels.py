@@ -16,12 +16,13 @@ pytest.importorskip("triton", reason="the fused kernels need Triton (pip install
 from harness.config import build_config  # noqa: E402
 from harness.model.factory import build_model  # noqa: E402
 from variants import kernels  # noqa: E402
+from variants.kernels.buffer import DepthBuffer  # noqa: E402
 from variants.kernels.depth_read import depth_read  # noqa: E402
 from variants.kernels.depth_read import naive as depth_naive  # noqa: E402
 from variants.kernels.sinkhorn import naive as sinkhorn_naive  # noqa: E402
 from variants.kernels.sinkhorn import sinkhorn  # noqa: E402
+from variants.kernels.softmax_read import buffer_read as softmax_buffer_read  # noqa: E402
 from variants.kernels.softmax_read import naive as softmax_naive  # noqa: E402
-from variants.kernels.softmax_read import softmax_read  # noqa: E402
 from variants.kernels.whiten import naive as whiten_naive  # noqa: E402
 from variants.kernels.whiten import whiten  # noqa: E402
 
@@ -70,15 +71,26 @@ def test_depth_read_equals_float64(rng_seed, dtype, rows, writes, key, value):
         _close(got, ref, dtype)
 
 
+def softmax_read(values: torch.Tensor, query: torch.Tensor, extra: bool = False) -> torch.Tensor:
+    """AttnRes's read of stacked sources ``values`` (R, S, d) as the models make it: each source written into a
+    depth buffer, or the last passed beside it where ``extra`` (block AttnRes's partial sum)."""
+    n = values.shape[1] - extra
+    buffer = DepthBuffer.allocate(max(n, 1), values[:, 0])
+    for s in range(n):
+        buffer = buffer.append(values[:, s])
+    return softmax_buffer_read(buffer, query, values[:, -1] if extra else None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("extra", [False, True])
 @pytest.mark.parametrize("rows,sources,width", [(1, 1, 1), (13, 6, 20), (9, 25, 64), (17, 2, 100)])
-def test_softmax_read_equals_float64(rng_seed, dtype, rows, sources, width):
+def test_softmax_read_equals_float64(rng_seed, dtype, extra, rows, sources, width):
     # Values of very different scales, so the key norm and the online softmax's rescaling both matter.
     values = torch.randn(rows, sources, width, dtype=dtype) * torch.rand(rows, sources, 1, dtype=dtype) * 5
     values.requires_grad_()
     query = torch.randn(width, dtype=dtype, requires_grad=True)
     with kernels.mode("on"):
-        a = softmax_read(values, query, 1e-6)
+        a = softmax_read(values, query, extra)
     g = torch.randn_like(a)
     grads = torch.autograd.grad(a, (values, query), g)
     want, want_grads = _float64_grads(lambda v, w: softmax_naive.softmax_read(v, w, 1e-6), (values, query), g)
@@ -217,12 +229,8 @@ def test_softmax_read_of_bf16_sources_equals_float64(rng_seed, state):
     dtype = STATES[state]
     values = (torch.randn(13, 25, 100) * torch.rand(13, 25, 1) * 5).bfloat16().requires_grad_()
     query = torch.randn(100, dtype=dtype, requires_grad=True)
-    _check_bf16(
-        lambda v, w: softmax_read(v, w, 1e-6),
-        lambda v, w: softmax_naive.softmax_read(v, w, 1e-6),
-        (values, query),
-        dtype,
-    )
+    # The read comes out in float32, the precision it is computed in, whatever the sources are stored in.
+    _check_bf16(softmax_read, lambda v, w: softmax_naive.softmax_read(v, w, 1e-6), (values, query), torch.float32)
 
 
 @pytest.mark.parametrize("state", STATES)

@@ -266,7 +266,7 @@ def test_dual_state_stays_float32_under_bf16_and_float64_in_float64(spec, rng_se
         head = model.mixer.read_head(state)
         assert head.dtype == torch.bfloat16
         if state.buffer is not None:
-            buffer = state.buffer._replace(keys=state.buffer.keys.float(), values=state.buffer.values.float())
+            buffer = state.buffer._replace(slots=tuple(t.float() for t in state.buffer.slots))
             widened = state._replace(buffer=buffer)
         else:
             widened = state._replace(
@@ -284,7 +284,7 @@ def test_dual_state_stays_float32_under_bf16_and_float64_in_float64(spec, rng_se
 def _writes(state) -> tuple[torch.Tensor, ...]:
     """The stored keys and values of a dual state: a depth buffer's, or RLS's whitened writes."""
     if state.buffer is not None:
-        return state.buffer.keys, state.buffer.values
+        return state.buffer.slots
     return state.keys + state.values
 
 

@@ -8,10 +8,10 @@ before; keys are normalized, values are not, and there is no residual ``x + ...`
 head aggregates all ``L + 1`` sources with its own pseudo-query. Unpublished detail: the key RMSNorm has no
 gain, since a per-channel gain would only rescale ``w_l``.
 
-Each key is normalized once, when its output is written; a read stacks the keys and values so far and attends over
-them, where the fused kernel runs as its one pass (``variants/kernels/softmax_read``, which takes the key norm
-itself), and stacks them again in backward rather than keep each read's stacked copy. Eager, compiled and on GPU
-alike, autograd differentiates it. Axes: b batch, t time, d width, s source.
+Every output is written once into a depth buffer, and a read attends over the sources so far where they lie,
+taking each key norm in the same pass (``variants/kernels/softmax_read``: the fused kernel where it runs); its
+backward adds each source's gradient into the buffer's in place. Eager, compiled and on GPU alike, the read is
+that one op. Axes: b batch, t time, d width, s source.
 """
 
 from __future__ import annotations
@@ -21,58 +21,27 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from variants import kernels
 from variants.base import DepthMixer, register
-from variants.kernels.softmax_read import softmax_read
+from variants.kernels import softmax_read
+from variants.kernels.buffer import DepthBuffer
 from variants.ops import mix_dtype
-from variants.ops.recompute import recomputed
 
 
-def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm without a gain, over the last axis, in at least float32."""
-    x = x.to(mix_dtype(x))
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+def sources(e: torch.Tensor, capacity: int) -> DepthBuffer:
+    """A depth buffer for ``capacity`` sources like ``e`` (b, t, d), in mixing precision, with ``e`` written."""
+    e = e.to(mix_dtype(e)).reshape(-1, e.shape[-1])
+    return DepthBuffer.allocate(capacity, e).append(e)
 
 
-def depth_attention(
-    query: torch.Tensor | None, keys: list[torch.Tensor], values: list[torch.Tensor], weights: dict | None = None
-):
-    """``Σ_s softmax_s(query · keys_s) values_s`` and the weights (b, t, s), all in at least float32.
-
-    ``query`` may be None only for a single source, whose weight is 1 whatever the query. ``weights`` is the
-    trace the weights are wanted for (the mixer's ``trace``); without one, where the fused kernels run
-    (``variants.kernels``), the read is their one pass and no weights are returned.
-    """
-    dt = keys[0].dtype  # already normalized and in mixing precision
-    # The sources are stacked inside the read and again in backward, not kept stacked per read (``recomputed``).
-    if query is not None and weights is None and kernels.active(keys[0]):
-        # One pass of the fused kernel, which takes the key norm itself: the keys go unused (a compiled graph
-        # drops them).
-        return recomputed(_fused_read, query.to(dt), *values), None
-    return recomputed(_attend, query, *keys, *values)
-
-
-def _fused_read(query: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
-    v = torch.stack([x.to(query.dtype) for x in values], dim=-2)  # (b, t, s, d)
-    return softmax_read(v.flatten(0, -3), query, RMS_EPS).view(*v.shape[:-2], -1)
-
-
-def _attend(query: torch.Tensor | None, *sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``depth_attention`` in plain PyTorch, with the sources given as the keys then the values."""
-    n = len(sources) // 2
-    k = torch.stack(sources[:n], dim=-2)  # (b, t, s, d)
-    dt = k.dtype
-    if query is None:
-        weights = k.new_ones(k.shape[:-1])
-    else:
-        # Elementwise product and sum rather than a matmul, so bf16 autocast cannot lower the precision.
-        logits = (k * query.to(dt)).sum(-1)  # (b, t, s)
-        weights = torch.softmax(logits, dim=-1)
-    v = torch.stack([x.to(dt) for x in sources[n:]], dim=-2)  # (b, t, s, d)
-    return (weights.unsqueeze(-1) * v).sum(-2), weights
-
-
-RMS_EPS = 1e-6
+def attend(mixer: DepthMixer, buffer: DepthBuffer, reader: int, like: torch.Tensor, extra=None) -> torch.Tensor:
+    """Reader ``reader``'s softmax read over ``buffer``'s sources (and ``extra``), shaped like ``like`` (b, t, d),
+    with its weights recorded when the mixer traces. Reader 0 has no pseudo-query: a softmax over its one source
+    is 1 whatever the query, so a zero query stands in."""
+    query = mixer.queries[reader - 1] if reader else mixer.queries.new_zeros(mixer.d_model)
+    x = None if extra is None else extra.reshape(-1, mixer.d_model)
+    if mixer.trace is not None:
+        mixer.record("weights", reader, softmax_read.weights(buffer, query, x).view(*like.shape[:-1], -1))
+    return softmax_read.buffer_read(buffer, query, x).view(like.shape)
 
 
 @register("attnres")
@@ -90,24 +59,19 @@ class AttnRes(DepthMixer):
         self.queries = nn.Parameter(torch.zeros(n_layers, d_model))
 
     def init_state(self, e):
-        # Values and their normalized keys; each key is computed once, when its output is written.
-        return [e], [rms_normalize(e)]
-
-    def _read(self, state, reader: int):
-        values, keys = state
-        a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, values, self.trace)
-        self.record("weights", reader, weights)
-        return a
+        # (the sources so far, (b·t, d) each in a depth buffer; e, to shape the reads)
+        return sources(e, self.n_layers + 1), e
 
     def read(self, state, layer):
-        return self._read(state, layer)
+        buffer, e = state
+        return attend(self, buffer, layer, e)
 
     def write(self, state, layer, out):
-        values, keys = state
-        return values + [out], keys + [rms_normalize(out)]
+        buffer, e = state
+        return buffer.append(out.to(buffer.slots[0].dtype).reshape(-1, self.d_model)), e
 
     def read_head(self, state):
-        return self._read(state, self.n_layers)
+        return self.read(state, self.n_layers)
 
     def mixing_matrix(self, trace):
         b, t, _ = trace.embed.shape

@@ -8,9 +8,9 @@ every completed block and the last partial one with its own pseudo-query. The ca
 ``L + 1`` to about ``L / S + 1`` vectors per token; ``S = 1`` is full AttnRes. Pseudo-queries start at zero
 (uniform weights), the key RMSNorm has no gain, as in ``attnres``.
 
-Each completed block's key is normalized once, when the block completes, the partial sum's at every read of it; a
-read stacks its sources and attends over them as full AttnRes does (``depth_attention``, the fused kernel where it
-runs). Axes: b batch, t time, d width, s source.
+Each completed block is written once into a depth buffer; a read attends over the blocks where they lie and the
+partial sum beside them, taking every key norm in the same pass, as full AttnRes does (``attend``: the fused
+kernel where it runs). Axes: b batch, t time, d width, s source.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from variants.attnres import depth_attention, rms_normalize
+from variants.attnres import attend, sources
 from variants.base import DepthMixer, register
 from variants.ops import mix_dtype
 from variants.registry import knob
@@ -51,31 +51,25 @@ class AttnResBlock(DepthMixer):
         self.queries = nn.Parameter(torch.zeros(n_layers, d_model))
 
     def init_state(self, e):
-        # (completed block sums, their normalized keys, partial sum of the current block or None)
-        return [e], [rms_normalize(e)], None
-
-    def _read(self, state, reader: int):
-        blocks, keys, partial = state
-        if partial is not None:
-            blocks, keys = blocks + [partial], keys + [rms_normalize(partial)]
-        a, weights = depth_attention(self.queries[reader - 1] if reader else None, keys, blocks, self.trace)
-        self.record("weights", reader, weights)
-        return a
+        # (completed block sums in a depth buffer, (b·t, d) each; the current block's partial sum or None; e, to
+        # shape the reads)
+        return sources(e, 1 + self.n_layers // self.block_size), None, e
 
     def read(self, state, layer):
-        return self._read(state, layer)
+        blocks, partial, e = state
+        return attend(self, blocks, layer, e, partial)
 
     def write(self, state, layer, out):
-        blocks, keys, partial = state
+        blocks, partial, e = state
         # Sums accumulate in at least float32, like PreLN's stream under bf16 autocast.
         out = out.to(mix_dtype(out))
         partial = out if partial is None else partial + out
         if (layer + 1) % self.block_size:
-            return blocks, keys, partial
-        return blocks + [partial], keys + [rms_normalize(partial)], None
+            return blocks, partial, e
+        return blocks.append(partial.reshape(-1, self.d_model)), None, e
 
     def read_head(self, state):
-        return self._read(state, self.n_layers)
+        return self.read(state, self.n_layers)
 
     def _source_spans(self, reader: int) -> list[tuple[int, int]]:
         """Each source of ``reader`` as a half-open range of mixing-matrix columns (0 the embedding)."""

@@ -7,9 +7,10 @@ After transformer block ``i`` a depth-weighted average (DWA) replaces the residu
 block, the head's. The ``α`` are static learned scalars initialized to the identity (``α_{i,i} = 1``, else 0),
 so at the start this is PreLN exactly. Our layers are sublayers, so as in the paper the DWA runs after each
 block, i.e. after every second layer (attention, MLP); a trailing odd layer counts as a block of its own. The
-paper's dilation and period options (sparser DWA) are not implemented. A DWA stacks the block outputs so far
-and weighs them, as the formula reads, and stacks them again in backward rather than keep each DWA's copy;
-autograd differentiates it, eager or compiled. Axes: b batch, t time, d width, s source.
+paper's dilation and period options (sparser DWA) are not implemented. Each block output is written once into
+a depth buffer, and a DWA is one matrix-vector product over the outputs so far where they lie, whose backward adds
+each output's gradient into the buffer's in place (``variants/kernels/weighted_read.py``). Axes: b batch, t time,
+d width, s source.
 """
 
 from __future__ import annotations
@@ -20,15 +21,9 @@ import torch
 from torch import nn
 
 from variants.base import DepthMixer, register
+from variants.kernels.buffer import DepthBuffer
+from variants.kernels.weighted_read import buffer_read
 from variants.ops import mix_dtype
-from variants.ops.recompute import recomputed
-
-
-def _weighted_average(alpha: torch.Tensor, *outputs: torch.Tensor) -> torch.Tensor:
-    """``Σ_s α_s X_s`` in ``alpha``'s precision. Run ``recomputed``: the outputs are stacked here and again in
-    backward, not kept stacked after every block."""
-    stacked = torch.stack([X.to(alpha.dtype) for X in outputs], dim=-1)  # (b, t, d, s)
-    return (stacked * alpha).sum(-1)
 
 
 @register("denseformer")
@@ -52,8 +47,9 @@ class DenseFormer(DepthMixer):
         return layer % 2 == 1 or layer == self.n_layers - 1
 
     def init_state(self, e):
-        # (the running stream, the block outputs so far)
-        return e, [e]
+        # (the running stream, the block outputs so far: X_0 = e, then one per block, (b·t, d) each)
+        X0 = e.to(mix_dtype(e)).reshape(-1, self.d_model)
+        return e, DepthBuffer.allocate(self.n_dwa + 1, X0).append(X0)
 
     def read(self, state, layer):
         return state[0]
@@ -64,10 +60,10 @@ class DenseFormer(DepthMixer):
         if not self.ends_block(layer):
             return x, outputs
         dt = mix_dtype(x)
-        outputs = outputs + [x]
-        alpha = self.alphas[len(outputs) - 2].to(dt)  # DWA i reads X_0 .. X_{i+1}
+        outputs = outputs.append(x.to(dt).reshape(-1, self.d_model))
+        alpha = self.alphas[outputs.n - 2].to(dt)  # DWA i reads X_0 .. X_{i+1}
         with torch.autocast(x.device.type, enabled=False):
-            return recomputed(_weighted_average, alpha, *outputs), outputs
+            return buffer_read(outputs, alpha).view(x.shape), outputs
 
     def read_head(self, state):
         return state[0]

@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from variants.base import DepthMixer, register
+from variants.kernels.buffer import DepthBuffer
 from variants.kernels.depth_read import depth_read
-from variants.kernels.depth_read.buffer import DepthBuffer
+from variants.kernels.depth_read.buffer import buffer_read
 from variants.ops import ldm_costs, ldm_knobs, rls
 from variants.ops.layers import RMSNorm
 from variants.ops.ldm_state import DualState, LDMState
@@ -307,7 +308,7 @@ class LDM(DepthMixer):
             if self.impl == "recurrent":
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
             elif not self.rls:
-                m = state.buffer.read(q.reshape(-1, self.dk)).view(*q.shape[:-1], self.dv)
+                m = buffer_read(state.buffer, q.reshape(-1, self.dk)).view(*q.shape[:-1], self.dv)
             else:
                 # In the writes' precision (float64 once LDM-RLS's guard has tripped), back in the stream's after.
                 m = recomputed(_read_writes, q, *state.keys, *state.values).to(dt)

@@ -111,10 +111,15 @@ def launches(shape: Shape, state: torch.dtype = torch.float32):
     yield "whiten._forward", whiten._forward, (p, p, p, s, s, p, p, p, flags, p) + sizes, tile
     args = (p, s, s, p, p, p, flags, p, p, p, p, p, s, s) + sizes
     yield "whiten._backward", whiten._backward, args, tile
-    R, S, D = shape.tokens, n + 1, shape.d_model
-    _, tile = softmax_read.launch(R, D)
-    yield "softmax_read._forward", softmax_read._forward, (s, p, p, p, R, S, D, 1e-6), tile
-    yield "softmax_read._backward", softmax_read._backward, (s, p, p, p, p, s, p, R, S, D, 1e-6), tile
+    # AttnRes reads a buffer of its n + 1 sources and adds into its float32 gradient; block AttnRes passes its
+    # partial sum (float32) beside the buffer.
+    R, D = shape.tokens, shape.d_model
+    for extra, suffix in ((False, ""), (True, " (partial sum)")):
+        _, tile = softmax_read.launch(R, D, extra=extra)
+        args = (s, p, p, p, p, R, n + 1, D, 1e-6)
+        yield f"softmax_read._forward{suffix}", softmax_read._forward, args, tile
+        args = (s, p, p, p, p, p, p, p, p, R, n + 1, D, 1e-6)
+        yield f"softmax_read._backward{suffix}", softmax_read._backward, args, tile
     sizes = (shape.tokens, shape.streams, shape.sinkhorn_iters)
     _, tile = sinkhorn.launch(shape.tokens, shape.streams)
     yield "sinkhorn._forward", sinkhorn._forward, (s, s) + sizes, tile

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from variants.kernels.depth_read.buffer import DepthBuffer
+from variants.kernels.buffer import DepthBuffer
 
 
 class LDMState(NamedTuple):
@@ -25,7 +25,7 @@ class LDMState(NamedTuple):
 
 class DualState(NamedTuple):
     """The dual form's streams: residual ``x`` (b, t, d) and the writes so far: for the outer-product write in a
-    depth buffer, each key and value once (``variants/kernels/depth_read/buffer.py``); for RLS its whitened keys
+    depth buffer, each key and value once (``variants/kernels/buffer.py``); for RLS its whitened keys
     (b, t, g, k) and values (b, t, g, v) (``variants/ops/rls.py``, in float64 once the float32 guard has tripped).
     ``M`` and ``P`` rebuild the recurrent form's memory from them, for inspection and tests."""
 
