@@ -23,8 +23,8 @@ from variants.kernels.sinkhorn import naive as sinkhorn_naive  # noqa: E402
 from variants.kernels.sinkhorn import sinkhorn  # noqa: E402
 from variants.kernels.softmax_read import buffer_read as softmax_buffer_read  # noqa: E402
 from variants.kernels.softmax_read import naive as softmax_naive  # noqa: E402
+from variants.kernels.whiten import buffer_whiten  # noqa: E402
 from variants.kernels.whiten import naive as whiten_naive  # noqa: E402
-from variants.kernels.whiten import whiten  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or kernels.interpreting()), reason="no GPU and TRITON_INTERPRET is not set"
@@ -114,6 +114,16 @@ def _whiten_inputs(rows, writes, key, value, dtype, state_dtype):
     return tuple(t.requires_grad_() for t in (k, v, ridge, keys.to(state_dtype), values.to(state_dtype)))
 
 
+def whiten(k, v, ridge, keys: torch.Tensor, values: torch.Tensor):
+    """LDM-RLS's whitening against stacked earlier writes ``keys`` (R, n, k) and ``values`` (R, n, v) as the models
+    make it: each written into a depth buffer first."""
+    R, n = keys.shape[:2]
+    buffer = DepthBuffer.allocate(n + 1, keys.new_empty(R, keys.shape[-1]), values.new_empty(R, values.shape[-1]))
+    for j in range(n):
+        buffer = buffer.append(keys[:, j], values[:, j])
+    return buffer_whiten(buffer, k, v, ridge)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows,writes,key,value", [(1, 0, 1, 1), (37, 5, 7, 11), (40, 9, 4, 48), (6, 2, 17, 3)])
 def test_whiten_equals_float64_floor_included(rng_seed, dtype, rows, writes, key, value):
@@ -122,7 +132,8 @@ def test_whiten_equals_float64_floor_included(rng_seed, dtype, rows, writes, key
     with kernels.mode("on"):
         kt, vt, margin = whiten(*inputs)
     gk, gv = torch.randn_like(kt), torch.randn_like(vt)
-    grads = torch.autograd.grad((kt, vt), inputs, (gk, gv))
+    # Without earlier writes their (empty) gradients are never formed: zeros of their shape.
+    grads = torch.autograd.grad((kt, vt), inputs, (gk, gv), materialize_grads=True)
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]
     kt64, vt64, margin64 = whiten_naive.whiten(*inputs64)
     grads64 = torch.autograd.grad((kt64, vt64), inputs64, (gk.double(), gv.double()))
@@ -239,7 +250,8 @@ def test_whiten_against_bf16_writes_equals_float64(rng_seed, state):
     inputs = _whiten_inputs(37, 5, 48, 40, dtype, torch.bfloat16)
     with kernels.mode("on"):
         kt, vt, margin = whiten(*inputs)
-    assert kt.dtype == vt.dtype == margin.dtype == dtype
+    # Computed in float32, and so come out, whatever the writes are stored in.
+    assert kt.dtype == vt.dtype == margin.dtype == torch.float32
     gk, gv = torch.randn_like(kt), torch.randn_like(vt)
     grads = torch.autograd.grad((kt, vt), inputs, (gk, gv))
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]

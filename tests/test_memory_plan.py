@@ -47,9 +47,10 @@ def test_simulated_step_peaks_where_the_allocator_does_at_the_small_preset(varia
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("variant", ["ldm", "ldm-rls", "attnres", "denseformer"])
 def test_a_read_over_depth_keeps_memory_linear_in_the_depth(variant, fused):
-    """Each read stacks every earlier write. Were the stacked copies kept, the memory over PreLN's would grow like
-    L², and its increase from 8 to 16 blocks would be four times that from 4 to 8; kept once per write it grows like
-    L, and that ratio is two (it was 2.8 to 3.4 with the copies kept)."""
+    """Each read takes every earlier write. Were a stacked copy kept per read, the memory over PreLN's would grow
+    like L², and its increase from 8 to 16 blocks would be four times that from 4 to 8 (it was 2.8 to 3.4 with the
+    copies kept); kept once per write it grows at most like L, and that ratio is at most two. It is less where the
+    depth buffer's gradient, allocated in backward, lands after the step's peak (AttnRes 1.35, DenseFormer 0.65)."""
 
     def extra(blocks):
         cfg = model_preset("tiny", n_blocks=blocks)
@@ -58,7 +59,7 @@ def test_a_read_over_depth_keeps_memory_linear_in_the_depth(variant, fused):
 
     at4, at8, at16 = extra(4), extra(8), extra(16)
     growth = (at16 - at8) / (at8 - at4)
-    assert 1.5 < growth < 2.5, (at4, at8, at16)
+    assert 0 < at4 < at8 < at16 and growth < 2.5, (at4, at8, at16)
 
 
 def tiny_run(variant: str = "ldm", **train) -> RunConfig:

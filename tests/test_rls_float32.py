@@ -270,6 +270,6 @@ def test_default_model_stays_in_float32(rng_seed):
         state = model.mixer.init_state(e)
         for layer in range(model.n_layers):
             state = model.mixer.write(state, layer, torch.randn_like(e))
-    assert len(state.keys) == model.n_layers and all(k.dtype == torch.float32 for k in state.keys)
+    assert state.n_writes == model.n_layers and all(k.dtype == torch.float32 for k in state.buffer.slots)
     assert float(model.mixer.margin) > 10.0
     assert model.mixer.step_checks() is None and model.mixer.whiten_dtype == torch.float32

@@ -163,7 +163,7 @@ def test_the_weights_of_a_read_are_its_softmax(rng_seed):
         stacked = torch.cat([values, extra[None]]).transpose(0, 1)  # (R, S, d)
         rho = torch.rsqrt(stacked.square().mean(-1) + EPS)
         torch.testing.assert_close(softmax_read.weights(buffer, q, extra), torch.softmax(rho * (stacked @ q), -1))
-        assert buffer.grads is None
+        assert buffer.token is None
 
 
 def test_a_full_buffer_and_mismatched_weights_are_refused(rng_seed):

@@ -10,12 +10,12 @@ query MLP.
 Two implementations compute the same function (``mixer.impl``). ``dual``, the default, never forms ``M``: it keeps
 the writes ``(k_i, v_i)`` and reads ``M q = Σ_i v_i (k_iᵀ q)``, linear attention over depth (for RLS the writes are
 whitened first, ``rls.whiten``), so backward keeps no per-layer memory and a read costs O(writes · d) per
-token. It is one set of operations that eager CPU and GPU runs and ``torch.compile`` all take. LDM's writes go
-once into a depth buffer that every read reads in place and whose gradient the reads' backward sums in place
-(``variants/kernels/depth_read/buffer.py``); LDM-RLS's whitened writes are stacked along depth for every read and
-whitening (and again in backward, so that a step keeps each write once, not a stacked copy per read:
-``variants/ops/recompute.py``). The reads and the whitening go through the dispatch functions of
-``variants/kernels/`` (the fused kernels where they run, their ``naive.py`` elsewhere). ``recurrent``
+token. It is one set of operations that eager CPU and GPU runs and ``torch.compile`` all take. The writes (for
+RLS the whitened ones) go once into a depth buffer that every read and whitening reads in place and whose gradient
+their backward sums in place (``variants/kernels/buffer.py``). Only once LDM-RLS's float32 guard has tripped do its
+float64 square-root writes stay tuples, stacked for every read and whitening (and again in backward:
+``variants/ops/recompute.py``). The reads and the whitening go through the ops of ``variants/kernels/`` (the fused
+kernels where they run, their ``naive.py`` elsewhere). ``recurrent``
 materializes ``M`` (and ``P``) at every layer exactly as the spec writes it; it is the reference the tests hold
 the dual form to, and costs O(d · d_k) per layer whatever the depth (docs/ldm-performance.md).
 
@@ -37,6 +37,7 @@ from variants.base import DepthMixer, register
 from variants.kernels.buffer import DepthBuffer
 from variants.kernels.depth_read import depth_read
 from variants.kernels.depth_read.buffer import buffer_read
+from variants.kernels.whiten.buffer import buffer_whiten
 from variants.ops import ldm_costs, ldm_knobs, rls
 from variants.ops.layers import RMSNorm
 from variants.ops.ldm_state import DualState, LDMState
@@ -66,9 +67,9 @@ class SmallMLP(nn.Module):
 
 
 def _read_writes(q: torch.Tensor, *writes: torch.Tensor) -> torch.Tensor:
-    """LDM-RLS's read, ``Σ_i ṽ_i (k̃_iᵀ q)`` per group over the whitened writes so far, given as their keys then
-    their values: ``q`` (b, t, g, k), each key (b, t, g, k), each value (b, t, g, v) -> (b, t, g, v), in their
-    precision together."""
+    """LDM-RLS's read in the square-root form (float64, once its guard has tripped), ``Σ_i ṽ_i (k̃_iᵀ q)`` per group
+    over the whitened writes so far, given as their keys then their values: ``q`` (b, t, g, k), each key
+    (b, t, g, k), each value (b, t, g, v) -> (b, t, g, v), in their precision together."""
     n = len(writes) // 2
     keys, values = torch.stack(writes[:n], -2), torch.stack(writes[n:], -2)  # (b, t, g, n, k|v)
     R = q.numel() // q.shape[-1]
@@ -273,17 +274,22 @@ class LDM(DepthMixer):
             wt = torch.promote_types(dt, self.whiten_dtype)
             decay = lam.to(wt) if state.decay is None else state.decay * lam.to(wt)  # Π_{j≤n} λ_j
             ridge = rls.ridge_diagonal(decay, omega.to(wt), self.cfg.alpha)
-            square_root, coords = self.whiten_dtype == torch.float64, ()
-            if square_root:
+            if self.whiten_dtype == torch.float64:
                 # Where the guard has sent a model whose whitening lost its digits: the square-root form does not
                 # subtract what cancelled, so float64 does not lose the same digits again (rls.whiten_square_root).
                 writes = (state.keys, state.values, state.coords)
                 k, v, c, margin = rls.whiten_square_root(k.to(wt), v.to(wt), ridge, n, len(self.keys), writes)
                 coords = state.coords + (c,)
-            else:
-                k, v, margin = rls.whiten(k.to(wt), v.to(wt), ridge, state.keys, state.values)
-            self._note_margin(margin, rls.min_margin(wt, square_root))
-            return {"keys": state.keys + (k,), "values": state.values + (v,), "decay": decay, "coords": coords}
+                self._note_margin(margin, rls.min_margin(wt, square_root=True))
+                return {"keys": state.keys + (k,), "values": state.values + (v,), "decay": decay, "coords": coords}
+            # The whitened writes in a depth buffer, as LDM's: each whitening and read takes the earlier ones where
+            # they lie and adds their gradients into the buffer's in place.
+            ridge = torch.broadcast_to(ridge, k.shape[:-1]).flatten()  # (R,)
+            k, v = k.to(wt).reshape(-1, self.dk), v.to(wt).reshape(-1, self.dv)  # (R, k), (R, v)
+            buffer = state.buffer or DepthBuffer.allocate(len(self.keys), k, v)
+            kt, vt, margin = buffer_whiten(buffer, k, v, ridge)
+            self._note_margin(margin.amin(), rls.min_margin(wt))
+            return {"buffer": buffer.append(kt, vt), "decay": decay}
 
     def _read(self, state, reader: int) -> torch.Tensor:
         """Reader ``reader``'s input, kept as the latest read when queries and keys come from the reads."""
@@ -307,9 +313,9 @@ class LDM(DepthMixer):
             self.record("q", reader, q)  # (b, t, g, k)
             if self.impl == "recurrent":
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
-            elif not self.rls:
-                m = buffer_read(state.buffer, q.reshape(-1, self.dk)).view(*q.shape[:-1], self.dv)
-            else:
+            elif state.buffer is not None:  # LDM's writes, or LDM-RLS's whitened ones in float32
+                m = buffer_read(state.buffer, q.reshape(-1, self.dk)).view(*q.shape[:-1], self.dv).to(dt)
+            else:  # LDM-RLS's whitened writes in the square-root form, float64 once its guard has tripped
                 # In the writes' precision (float64 once LDM-RLS's guard has tripped), back in the stream's after.
                 m = recomputed(_read_writes, q, *state.keys, *state.values).to(dt)
             m = m.flatten(-2)  # (b, t, g, v) -> (b, t, d)

@@ -99,7 +99,8 @@ def launches(shape: Shape, state: torch.dtype = torch.float32):
     mHC's logits in ``state`` and everything else in float32; pointers stand in by their dtype."""
     p, s, flags = MockTensor(torch.float32), MockTensor(state), MockTensor(torch.int8)
     rows, width, n = shape.tokens * shape.groups, shape.d_model // shape.groups, shape.sublayers
-    # LDM reads a depth buffer and adds into its float32 gradient; LDM-RLS reads its writes stacked per row.
+    # LDM and LDM-RLS read a depth buffer and add into its float32 gradient; LDM-RLS's reads stack its writes per
+    # row only in the square-root form (float64, after its guard has tripped).
     _, sizes, tile = depth_read.launch(rows, n, width, width, depth_major=True)
     yield "depth_read._forward", depth_read._forward, (p, s, s, p) + sizes, tile
     args = (p, s, s, p, p, p, p) + sizes
@@ -107,9 +108,10 @@ def launches(shape: Shape, state: torch.dtype = torch.float32):
     _, sizes, tile = depth_read.launch(rows, n, width, width)
     args = (p, s, s, p, p, s, s) + sizes
     yield "depth_read._backward (stacked)", depth_read._backward, args, dict(tile, ACCUMULATE=False)
+    # LDM-RLS whitens against a depth buffer of its whitened writes and adds into its float32 gradient.
     _, sizes, tile = whiten.launch(rows, n, width, width)
     yield "whiten._forward", whiten._forward, (p, p, p, s, s, p, p, p, flags, p) + sizes, tile
-    args = (p, s, s, p, p, p, flags, p, p, p, p, p, s, s) + sizes
+    args = (p, s, s, p, p, p, flags, p, p, p, p, p, p, p) + sizes
     yield "whiten._backward", whiten._backward, args, tile
     # AttnRes reads a buffer of its n + 1 sources and adds into its float32 gradient; block AttnRes passes its
     # partial sum (float32) beside the buffer.

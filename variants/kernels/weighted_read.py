@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from variants.kernels.buffer import DepthBuffer, token_like
+from variants.kernels.buffer import DepthBuffer, gradients, token_like
 
 
 def buffer_read(buffer: DepthBuffer, alpha: torch.Tensor) -> torch.Tensor:
     """``Σ_s α_s X_s`` over ``buffer``'s one field so far, (R, d) in ``alpha``'s dtype."""
-    (values,), (grad_values,) = buffer.slots, buffer.gradients()
+    (values,) = buffer.slots
     if len(alpha) != buffer.n:
         raise ValueError(f"{len(alpha)} weights for {buffer.n} sources")
-    return read(alpha, values, grad_values, buffer.n, buffer.token)
+    return read(alpha, values, buffer.n, buffer.token)
 
 
 def _flat(values: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -28,14 +28,12 @@ def _flat(values: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.library.custom_op("depthmem::weighted_buffer_read", mutates_args=())
-def read(
-    alpha: torch.Tensor, values: torch.Tensor, grad_values: torch.Tensor | None, n: int, token: torch.Tensor | None
-) -> torch.Tensor:
+def read(alpha: torch.Tensor, values: torch.Tensor, n: int, token: torch.Tensor | None) -> torch.Tensor:
     return (alpha @ _flat(values, n, alpha.dtype)).view(values.shape[1:])
 
 
 @read.register_fake
-def _(alpha, values, grad_values, n, token):
+def _(alpha, values, n, token):
     return values.new_empty(values.shape[1:], dtype=alpha.dtype)
 
 
@@ -59,26 +57,24 @@ def _(dy, alpha, values, grad_values, n):
 
 
 def _read_setup(ctx, inputs, output):
-    alpha, values, grad_values, n, token = inputs
+    alpha, values, n, token = inputs
     ctx.save_for_backward(alpha)
     # The buffer is taken by reference, not saved: later writes fill later slots, never the first n.
-    ctx.buffer, ctx.n, ctx.chained = (values, grad_values), n, token is not None
+    ctx.values, ctx.n, ctx.chained = values, n, token is not None
 
 
 def _read_grad(ctx, dy):
     (alpha,) = ctx.saved_tensors
-    values, grad_values = ctx.buffer
-    if grad_values is None:
-        raise RuntimeError("a depth buffer allocated without autograd cannot be differentiated through")
-    dalpha = read_backward(dy, alpha, values, grad_values, ctx.n)
-    return dalpha, None, None, None, token_like(alpha) if ctx.chained else None
+    (grad_values,) = gradients((ctx.values,))
+    dalpha = read_backward(dy, alpha, ctx.values, grad_values, ctx.n)
+    return dalpha, None, None, token_like(alpha) if ctx.chained else None
 
 
 read.register_autograd(_read_grad, setup_context=_read_setup)
 
 
 @register_flop_formula(torch.ops.depthmem.weighted_buffer_read)
-def _read_flops(alpha, values, grad_values, n, token, out_shape=None) -> int:
+def _read_flops(alpha, values, n, token, out_shape=None) -> int:
     return 2 * n * values[1] * values[2]
 
 

@@ -33,7 +33,8 @@ import math
 
 import torch
 
-from variants.kernels.whiten import whiten as kernel_whiten
+from variants.kernels.buffer import DepthBuffer
+from variants.kernels.whiten.buffer import buffer_whiten
 from variants.ops.recompute import recomputed
 
 LAMBDA_MIN = 0.5
@@ -137,27 +138,27 @@ def whiten(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The whitened write ``(k̃_n, ṽ_n)``: ``(k, v)`` with the earlier whitened writes projected out, over ``δ``; and
     the margin ``min δ² / (|k|² + d_n)`` over every leading index and group (1 for the first write), as a tensor,
-    which the caller keeps on the device rather than deciding on it here. The fused kernel of
-    ``variants/kernels/whiten/`` computes it where it runs, its plain tensor operations elsewhere.
+    which the caller keeps on the device rather than deciding on it here.
 
     Shapes: ``k`` (..., g, k), ``v`` (..., g, v), ``ridge`` (..., g) the ``d_n`` of this write, ``keys`` and
     ``values`` the earlier ``k̃_j`` (..., g, k) and ``ṽ_j`` (..., g, v). The coefficients ``l_j = k̃_jᵀ k`` are the
     new row of ``L`` and ``δ² = |k|² + d_n − |l|²`` its diagonal entry. The margin is how much of ``|k|² + d_n``
     survives that subtraction: rounding errors in ``δ²`` are relative to ``|k|² + d_n``, so a margin near the
-    precision's epsilon means ``δ`` (and every later read) has lost its digits."""
-    # The earlier writes are stacked inside ``_whiten_stacked`` and again in backward, not kept stacked per write.
-    return recomputed(_whiten_stacked, k, v, torch.broadcast_to(ridge, k.shape[:-1]), *keys, *values)
+    precision's epsilon means ``δ`` (and every later read) has lost its digits.
 
-
-def _whiten_stacked(k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, *writes: torch.Tensor) -> tuple:
-    """``whiten`` with the earlier writes given as their keys then their values, and ``ridge`` of shape (..., g)."""
-    R, n = k.numel() // k.shape[-1], len(writes) // 2
-    if n:
-        K, V = torch.stack(writes[:n], -2).view(R, n, -1), torch.stack(writes[n:], -2).view(R, n, -1)
-    else:
-        K, V = k.new_empty(R, 0, k.shape[-1]), v.new_empty(R, 0, v.shape[-1])
-    kt, vt, margin = kernel_whiten(k.reshape(R, -1), v.reshape(R, -1), ridge.reshape(R), K, V)
-    return kt.view(k.shape), vt.view(v.shape), margin.amin()
+    The model keeps its whitened writes in a depth buffer and whitens against it where they lie
+    (``variants/kernels/whiten/buffer.py``, the fused kernel where it runs); this takes the earlier writes as
+    tensors and copies them into such a buffer first, for references and tests. The result is in the whitening's
+    computing dtype, float32 or float64."""
+    shape, R = k.shape[:-1], k.numel() // k.shape[-1]
+    ridge = torch.broadcast_to(ridge, shape).reshape(R)
+    k, v = k.reshape(R, -1), v.reshape(R, -1)
+    template = (keys[0].reshape(R, -1), values[0].reshape(R, -1)) if keys else (k, v)
+    buffer = DepthBuffer.allocate(len(keys) + 1, *template)
+    for kj, vj in zip(keys, values):
+        buffer = buffer.append(kj.reshape(R, -1), vj.reshape(R, -1))
+    kt, vt, margin = buffer_whiten(buffer, k, v, ridge)
+    return kt.view(*shape, -1), vt.view(*shape, -1), margin.amin()
 
 
 def whiten_square_root(

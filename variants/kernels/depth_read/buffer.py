@@ -10,14 +10,14 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from variants import kernels
-from variants.kernels.buffer import DepthBuffer, token_like
+from variants.kernels.buffer import DepthBuffer, gradients, token_like
 from variants.kernels.depth_read import naive
 
 
 def buffer_read(buffer: DepthBuffer, q: torch.Tensor) -> torch.Tensor:
     """``Σ_i v_i (k_iᵀ q)`` over the writes of ``buffer`` (keys, values) so far, in the dtype PyTorch gives ``q`` and
     the writes together."""
-    return read(q, *buffer.slots, *buffer.gradients(), buffer.n, buffer.token)
+    return read(q, *buffer.slots, buffer.n, buffer.token)
 
 
 @torch.library.custom_op("depthmem::depth_buffer_read", mutates_args=())
@@ -25,8 +25,6 @@ def read(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    grad_keys: torch.Tensor | None,
-    grad_values: torch.Tensor | None,
     n: int,
     token: torch.Tensor | None,
 ) -> torch.Tensor:
@@ -38,7 +36,7 @@ def read(
 
 
 @read.register_fake
-def _(q, keys, values, grad_keys, grad_values, n, token):
+def _(q, keys, values, n, token):
     return q.new_empty(q.shape[0], values.shape[-1], dtype=kernels.result_dtype(q, keys, values))
 
 
@@ -70,20 +68,19 @@ def _(dm, q, keys, values, grad_keys, grad_values, n, fused):
 
 
 def _read_setup(ctx, inputs, output):
-    q, keys, values, grad_keys, grad_values, n, token = inputs
+    q, keys, values, n, token = inputs
     ctx.save_for_backward(q)
     # The buffer is taken by reference, not saved: later writes fill later slots, never the first n.
-    ctx.buffer, ctx.n, ctx.chained = (keys, values, grad_keys, grad_values), n, token is not None
+    ctx.buffer, ctx.n, ctx.chained = (keys, values), n, token is not None
     ctx.fused = kernels.active(q, keys, values)
 
 
 def _read_grad(ctx, dm):
     (q,) = ctx.saved_tensors
-    keys, values, grad_keys, grad_values = ctx.buffer
-    if grad_keys is None:
-        raise RuntimeError("a depth buffer allocated without autograd cannot be differentiated through")
+    keys, values = ctx.buffer
+    grad_keys, grad_values = gradients(ctx.buffer)
     dq = read_backward(dm, q, keys, values, grad_keys, grad_values, ctx.n, ctx.fused)
-    return dq, None, None, None, None, None, token_like(q) if ctx.chained else None
+    return dq, None, None, None, token_like(q) if ctx.chained else None
 
 
 read.register_autograd(_read_grad, setup_context=_read_setup)
@@ -94,7 +91,7 @@ read.register_autograd(_read_grad, setup_context=_read_setup)
 
 
 @register_flop_formula(torch.ops.depthmem.depth_buffer_read)
-def _read_flops(q, keys, values, grad_keys, grad_values, n, token, out_shape=None) -> int:
+def _read_flops(q, keys, values, n, token, out_shape=None) -> int:
     return 2 * n * q[0] * (q[1] + values[-1])
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from variants import kernels
-from variants.kernels.buffer import DepthBuffer, token_like
+from variants.kernels.buffer import DepthBuffer, gradients, token_like
 from variants.kernels.softmax_read import naive
 
 EPS = 1e-6  # the key norm's
@@ -20,8 +20,8 @@ EPS = 1e-6  # the key norm's
 def buffer_read(buffer: DepthBuffer, query: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
     """The read over ``buffer``'s one field so far and ``extra``, in the dtype the read computes in (float32, or
     float64 where an input is)."""
-    (values,), (grad_values,) = buffer.slots, buffer.gradients()
-    return read(query, values, grad_values, buffer.n, buffer.token, extra, EPS)[0]
+    (values,) = buffer.slots
+    return read(query, values, buffer.n, buffer.token, extra, EPS)[0]
 
 
 def weights(buffer: DepthBuffer, query: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,7 +40,6 @@ def _inputs(query, values, extra):
 def read(
     query: torch.Tensor,
     values: torch.Tensor,
-    grad_values: torch.Tensor | None,
     n: int,
     token: torch.Tensor | None,
     extra: torch.Tensor | None,
@@ -57,7 +56,7 @@ def read(
 
 
 @read.register_fake
-def _(query, values, grad_values, n, token, extra, eps):
+def _(query, values, n, token, extra, eps):
     dtype = kernels.compute_dtype(*_inputs(query, values, extra))
     return values.new_empty(values.shape[1:], dtype=dtype), values.new_empty(values.shape[1], dtype=dtype)
 
@@ -92,20 +91,18 @@ def _(da, query, values, grad_values, n, extra, a, lse, eps, fused):
 
 
 def _read_setup(ctx, inputs, output):
-    query, values, grad_values, n, token, extra, ctx.eps = inputs
+    query, values, n, token, extra, ctx.eps = inputs
     ctx.save_for_backward(query, extra, *output)
     # The buffer is taken by reference, not saved: later writes fill later slots, never the first n.
-    ctx.buffer, ctx.n, ctx.chained = (values, grad_values), n, token is not None
+    ctx.values, ctx.n, ctx.chained = values, n, token is not None
     ctx.fused = kernels.active(*_inputs(query, values, extra))
 
 
 def _read_grad(ctx, da, _):
     query, extra, a, lse = ctx.saved_tensors
-    values, grad_values = ctx.buffer
-    if grad_values is None:
-        raise RuntimeError("a depth buffer allocated without autograd cannot be differentiated through")
-    dw, dx = read_backward(da, query, values, grad_values, ctx.n, extra, a, lse, ctx.eps, ctx.fused)
-    return dw, None, None, None, token_like(query) if ctx.chained else None, dx if extra is not None else None, None
+    (grad_values,) = gradients((ctx.values,))
+    dw, dx = read_backward(da, query, ctx.values, grad_values, ctx.n, extra, a, lse, ctx.eps, ctx.fused)
+    return dw, None, None, token_like(query) if ctx.chained else None, dx if extra is not None else None, None
 
 
 read.register_autograd(_read_grad, setup_context=_read_setup)
@@ -120,7 +117,7 @@ def _sources(values, n, extra) -> int:
 
 
 @register_flop_formula(torch.ops.depthmem.softmax_buffer_read)
-def _read_flops(query, values, grad_values, n, token, extra, eps, out_shape=None) -> int:
+def _read_flops(query, values, n, token, extra, eps, out_shape=None) -> int:
     return 4 * _sources(values, n, extra) * values[1] * values[2]
 
 

@@ -1,4 +1,5 @@
-"""LDM-RLS's write as Triton kernels: a tile of rows per program streams each earlier whitened write once.
+"""LDM-RLS's write as Triton kernels: a tile of rows per program streams each earlier whitened write once, from a
+depth buffer (``variants/kernels/buffer.py``), depth-major (capacity, R, ·).
 
 Forward, per row: the coefficients ``l_j = k̃_jᵀ k`` and the projections out of ``k``, ``v`` and ``|k|² + d`` in one
 pass over the earlier writes, then the floor and the division by ``δ`` (``naive.py``). It keeps ``δ`` and whether
@@ -7,6 +8,8 @@ the floor held, one number each per row, for backward, which recomputes the coef
     ∂k_r = ∂k̃ / δ,  ∂v_r = ∂ṽ / δ,  ∂δ² = −(∂k̃·k̃ + ∂ṽ·ṽ) / 2δ²   (0 for k and l where the floor held; ∂d = ∂δ²)
     ∂l_j = −(∂k_r·k̃_j + ∂v_r·ṽ_j) − 2 l_j ∂δ²
     ∂k = ∂k_r + 2 ∂δ² k + Σ_j ∂l_j k̃_j,   ∂k̃_j = ∂l_j k − l_j ∂k_r,   ∂ṽ_j = −l_j ∂v_r
+
+each ``∂k̃_j`` and ``∂ṽ_j`` added into the buffer's float32 gradient in place.
 
 Inputs may be float64, float32, bfloat16 or float16, each its own (the earlier writes kept in bfloat16, say): they
 are widened as they are loaded and the arithmetic is in ``ACC``, float64 where an input is float64 and float32
@@ -20,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from variants import kernels
 from variants.kernels import tiles
 from variants.kernels.tiles import row_tile
+from variants.kernels.whiten.naive import outputs
 
 PER_THREAD = 4  # elements of each tile per thread: one 16-byte load of float32
 
@@ -39,8 +42,9 @@ def _forward(
     total = tl.sum(k * k, 1) + r
     k_rest, v_rest, sq = k, v, total
     for j in range(n):
-        kj = tl.load(KS + (rows[:, None] * n + j) * KD + ok[None, :], mask=kmask, other=0.0).to(ACC)
-        vj = tl.load(VS + (rows[:, None] * n + j) * VD + ov[None, :], mask=vmask, other=0.0).to(ACC)
+        at = j * R + rows[:, None]  # earlier write j of row r: depth-major
+        kj = tl.load(KS + at * KD + ok[None, :], mask=kmask, other=0.0).to(ACC)
+        vj = tl.load(VS + at * VD + ov[None, :], mask=vmask, other=0.0).to(ACC)
         c = tl.sum(kj * k, 1)
         k_rest -= c[:, None] * kj
         v_rest -= c[:, None] * vj
@@ -75,104 +79,44 @@ def _backward(
     dsq = tl.where(floored, 0.0, dsq)
     dk = dkr + 2.0 * dsq[:, None] * k
     for j in range(n):
-        jk = (rows[:, None] * n + j) * KD + ok[None, :]
-        jv = (rows[:, None] * n + j) * VD + ov[None, :]
+        at = j * R + rows[:, None]
+        jk, jv = at * KD + ok[None, :], at * VD + ov[None, :]
         kj = tl.load(KS + jk, mask=kmask, other=0.0).to(ACC)
         vj = tl.load(VS + jv, mask=vmask, other=0.0).to(ACC)
         c = tl.sum(kj * k, 1)
         dc = -(tl.sum(dkr * kj, 1) + tl.sum(dvr * vj, 1)) - 2.0 * c * dsq
         dk += dc[:, None] * kj
-        tl.store(DKS + jk, dc[:, None] * k - c[:, None] * dkr, mask=kmask)
-        tl.store(DVS + jv, -c[:, None] * dvr, mask=vmask)
+        # Added into the buffer's gradient: this row's own slots, which no other program touches.
+        dkj = dc[:, None] * k - c[:, None] * dkr + tl.load(DKS + jk, mask=kmask, other=0.0).to(ACC)
+        dvj = -c[:, None] * dvr + tl.load(DVS + jv, mask=vmask, other=0.0).to(ACC)
+        tl.store(DKS + jk, dkj, mask=kmask)
+        tl.store(DVS + jv, dvj, mask=vmask)
     tl.store(DK0 + at_k, dk, mask=kmask)
     tl.store(DV0 + at_v, dvr, mask=vmask)
 
 
 def launch(R: int, n: int, KD: int, VD: int, acc=tl.float32) -> tuple[tuple[int], tuple[int, ...], dict]:
-    """The grid, the sizes and the tile (constexprs and warps) of both kernels for ``R`` rows of ``n`` writes,
-    computed in ``acc``."""
+    """The grid, the sizes and the tile (constexprs and warps) of both kernels for ``R`` rows of ``n`` earlier
+    writes, computed in ``acc``."""
     BLOCK_K, BLOCK_V = triton.next_power_of_2(KD), triton.next_power_of_2(VD)
     BLOCK_R = tiles.rows_per_program(max(BLOCK_K, BLOCK_V), PER_THREAD)
     blocks = dict(BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, num_warps=tiles.WARPS, ACC=acc)
     return (triton.cdiv(R, BLOCK_R),), (R, n, KD, VD), blocks
 
 
-def _launch(keys, values, *others):
-    return launch(*keys.shape, values.shape[-1], tiles.compute_dtype(keys, values, *others))
-
-
-def _outputs(k, v, ridge, keys, values):
-    """Empty ``k̃``, ``ṽ``, margin, ``δ`` and the floor's mask (one byte per row) for these inputs, all but the
-    mask in the dtype the kernel computes in: backward reads ``k̃`` and ``ṽ`` again, which must not carry a
-    bfloat16 rounding into the gradients."""
-    inputs = (k, v, ridge, keys, values)
-    acc = kernels.compute_dtype(*inputs)
-    rows = k.shape[0]
-    floored = torch.empty(rows, dtype=torch.int8, device=k.device)
-    kt, vt = k.new_empty(k.shape, dtype=acc), v.new_empty(v.shape, dtype=acc)
-    return kt, vt, k.new_empty(rows, dtype=acc), k.new_empty(rows, dtype=acc), floored
-
-
-@torch.library.custom_op("depthmem::whiten", mutates_args=())
-def whiten(
-    k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``naive.whiten`` by the forward kernel, with ``δ`` and the floor's mask for backward."""
-    grid, sizes, blocks = _launch(keys, values, k, v, ridge)
-    kt, vt, margin, delta, floored = _outputs(k, v, ridge, keys, values)
+def buffer_whiten(k, v, ridge, keys, values, n: int):
+    """``k̃``, ``ṽ``, the margin, ``δ`` and the floor's mask against ``keys[:n]`` and ``values[:n]``."""
+    grid, sizes, blocks = launch(k.shape[0], n, k.shape[1], v.shape[1], tiles.compute_dtype(k, v, ridge, keys, values))
+    kt, vt, margin, delta, floored = outputs(k, v, ridge, keys, values)
     _forward[grid](k, v, ridge, keys, values, kt, vt, delta, floored, margin, *sizes, **blocks)
     return kt, vt, margin, delta, floored
 
 
-whiten.register_fake(_outputs)
-
-
-@torch.library.custom_op("depthmem::whiten_backward", mutates_args=())
-def whiten_backward(
-    dkt: torch.Tensor,
-    dvt: torch.Tensor,
-    k: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    kt: torch.Tensor,
-    vt: torch.Tensor,
-    delta: torch.Tensor,
-    floored: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grid, sizes, blocks = _launch(keys, values, k, delta)
-    dk, dv, dridge = torch.empty_like(k), torch.empty_like(vt), torch.empty_like(delta)
-    dkeys, dvalues = torch.empty_like(keys), torch.empty_like(values)
-    dkt, dvt = dkt.contiguous(), dvt.contiguous()
-    _backward[grid](k, keys, values, kt, vt, delta, floored, dkt, dvt, dk, dv, dridge, dkeys, dvalues, *sizes, **blocks)
-    return dk, dv, dridge, dkeys, dvalues
-
-
-@whiten_backward.register_fake
-def _(dkt, dvt, k, keys, values, kt, vt, delta, floored):
-    return (
-        torch.empty_like(k),
-        torch.empty_like(vt),
-        torch.empty_like(delta),
-        torch.empty_like(keys),
-        torch.empty_like(values),
-    )
-
-
-def _setup(ctx, inputs, output):
-    k, v, ridge, keys, values = inputs
-    kt, vt, _, delta, floored = output
-    ctx.save_for_backward(k, keys, values, kt, vt, delta, floored)
-    ctx.v_dtype, ctx.ridge_dtype = v.dtype, ridge.dtype
-    ctx.mark_non_differentiable(output[2], delta, floored)
-
-
-def _grad(ctx, dkt, dvt, *_):
-    k, keys, values, kt, vt, delta, floored = ctx.saved_tensors
-    dkt = torch.zeros_like(kt) if dkt is None else dkt
-    dvt = torch.zeros_like(vt) if dvt is None else dvt
-    dk, dv, dridge, dkeys, dvalues = whiten_backward(dkt, dvt, k, keys, values, kt, vt, delta, floored)
-    # ∂v and ∂d come out in the computing dtype, ṽ's and δ's: one rounding to v's and d's
-    return dk, dv.to(ctx.v_dtype), dridge.to(ctx.ridge_dtype), dkeys, dvalues
-
-
-whiten.register_autograd(_grad, setup_context=_setup)
+def buffer_whiten_backward(dkt, dvt, k, keys, values, grad_keys, grad_values, kt, vt, delta, floored, n: int):
+    """``∂k``, ``∂v`` and ``∂d`` in the computing dtype; each earlier write's gradient is added into ``grad_keys``
+    and ``grad_values``."""
+    grid, sizes, blocks = launch(k.shape[0], n, k.shape[1], vt.shape[1], tiles.compute_dtype(k, keys, values, delta))
+    dk, dv, dridge = torch.empty_like(kt), torch.empty_like(vt), torch.empty_like(delta)
+    args = (k, keys, values, kt, vt, delta, floored, dkt.contiguous(), dvt.contiguous(), dk, dv, dridge)
+    _backward[grid](*args, grad_keys, grad_values, *sizes, **blocks)
+    return dk, dv, dridge

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from variants import kernels
+
 
 def whiten(
     k: torch.Tensor, v: torch.Tensor, ridge: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -27,3 +29,69 @@ def whiten(
     sq = torch.maximum(sq, r)
     delta = sq.sqrt()
     return k_rest / delta, v_rest / delta, (sq / total).squeeze(-1)
+
+
+def outputs(k, v, ridge, keys, values):
+    """Empty ``k̃``, ``ṽ``, margin, ``δ`` and the floor's mask (one byte per row) for these inputs, all but the
+    mask in the dtype the whitening computes in."""
+    acc = kernels.compute_dtype(k, v, ridge, keys, values)
+    rows = k.shape[0]
+    floored = torch.empty(rows, dtype=torch.int8, device=k.device)
+    kt, vt = k.new_empty(k.shape, dtype=acc), v.new_empty(v.shape, dtype=acc)
+    return kt, vt, k.new_empty(rows, dtype=acc), k.new_empty(rows, dtype=acc), floored
+
+
+# A depth buffer's whitening (``whiten/buffer.py``): the earlier whitened writes are the buffer's first ``n``,
+# depth-major (capacity, R, ·). It goes write by write, each term added in place, as the kernels do: nothing of the
+# size of the writes is allocated beyond the outputs, so a step's memory is what the memory plan
+# (harness/training/memory_plan.py) simulates from the ops' outputs.
+
+
+def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``x·y`` of (R, ·) tensors, as a batched product: no (R, ·) temporary."""
+    return (x.unsqueeze(-2) @ y.unsqueeze(-1)).flatten()
+
+
+@torch.no_grad()
+def buffer_whiten(k, v, ridge, keys, values, n: int):
+    """``whiten`` against ``keys[:n]`` and ``values[:n]``, in ``k``'s dtype, with ``δ`` and the floor's mask (int8)
+    for the backward: ``k̃``, ``ṽ``, margin, ``δ``, mask."""
+    total = torch.linalg.vector_norm(k, dim=-1).square() + ridge
+    kt, vt, sq = k.clone(), v.to(k.dtype, copy=True), total.clone()
+    for kj, vj in zip(keys[:n], values[:n]):
+        kj, vj = kj.to(k.dtype), vj.to(k.dtype)
+        c = _dot(kj, k)
+        kt.addcmul_(c.unsqueeze(-1), kj, value=-1)
+        vt.addcmul_(c.unsqueeze(-1), vj, value=-1)
+        sq -= c.square()
+    floored = sq < ridge
+    sq = torch.maximum(sq, ridge)
+    delta = sq.sqrt()
+    kt /= delta.unsqueeze(-1)
+    vt /= delta.unsqueeze(-1)
+    return kt, vt, sq / total, delta, floored.to(torch.int8)
+
+
+@torch.no_grad()
+def buffer_whiten_backward(dkt, dvt, k, keys, values, grad_keys, grad_values, kt, vt, delta, floored, n: int):
+    """``∂k``, ``∂v``, ``∂d`` of ``buffer_whiten`` in ``k``'s dtype, with ``∂k̃_j`` and ``∂ṽ_j`` added into
+    ``grad_keys`` and ``grad_values`` (in ``k``'s dtype too, the computing one); the formulas of ``fused.py``'s
+    docstring."""
+    dkt, dvt = dkt.to(k.dtype), dvt.to(k.dtype)
+    dsq = -0.5 * (_dot(dkt, kt) + _dot(dvt, vt)) / delta.square()
+    dridge = dsq.clone()  # d enters δ² with weight 1, or is δ² where the floor held
+    dsq = torch.where(floored != 0, 0.0, dsq)
+    # ∂k_r = ∂k̃/δ, to which the rest of ∂k adds; ∂v = ∂v_r = ∂ṽ/δ. Where ∂k_r enters a product below, it is
+    # ∂k̃/δ again, so no copy of it is kept.
+    dk, dv = dkt / delta.unsqueeze(-1), dvt / delta.unsqueeze(-1)
+    dk.addcmul_((2.0 * dsq).unsqueeze(-1), k)
+    for j, (kj, vj) in enumerate(zip(keys[:n], values[:n])):
+        kj, vj = kj.to(k.dtype), vj.to(k.dtype)
+        c = _dot(kj, k)
+        dc = -(_dot(dkt, kj) + _dot(dvt, vj)) / delta - 2.0 * c * dsq
+        dk.addcmul_(dc.unsqueeze(-1), kj)
+        # ∂k̃_j = ∂l_j k − l_j ∂k_r, ∂ṽ_j = −l_j ∂v_r
+        cr = (c / delta).unsqueeze(-1)
+        grad_keys[j].addcmul_(dc.unsqueeze(-1), k).addcmul_(cr, dkt, value=-1)
+        grad_values[j].addcmul_(cr, dvt, value=-1)
+    return dk, dv, dridge
