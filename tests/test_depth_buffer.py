@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatched_outputs import DispatchedOutputs
 
 from variants import kernels
 from variants.kernels.buffer import DepthBuffer
@@ -150,23 +150,10 @@ def test_writes_without_gradients_and_reads_without_autograd(rng_seed):
     assert len(keys) == 1 and torch.equal(keys[0], k) and torch.equal(values[0], v)
 
 
-class _Outputs(TorchDispatchMode):
-    """The elements of every tensor the ops seen at dispatch produce: what autograd moves around the custom ops."""
-
-    def __init__(self):
-        super().__init__()
-        self.elements = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.elements += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-        return out
-
-
 def _backward_elements(L: int, stacked: bool) -> int:
     model = _Chain(L, 64, 8, 8, torch.float32)
     h, _ = model(stacked)
-    with _Outputs() as seen:
+    with DispatchedOutputs() as seen:
         h.square().sum().backward()
     return seen.elements
 

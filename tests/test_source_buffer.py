@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatched_outputs import DispatchedOutputs
 
 from variants import kernels
 from variants.kernels import softmax_read, weighted_read
@@ -175,23 +175,10 @@ def test_a_full_buffer_and_mismatched_weights_are_refused(rng_seed):
         weighted_read.buffer_read(buffer, torch.randn(2))
 
 
-class _Outputs(TorchDispatchMode):
-    """The elements of every tensor the ops seen at dispatch produce: what autograd moves around the custom ops."""
-
-    def __init__(self):
-        super().__init__()
-        self.elements = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.elements += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-        return out
-
-
 def _backward_elements(L: int, read: str, stacked: bool) -> int:
     model = _Chain(L, 64, 16, read, dtype=torch.float32).float()
     h, _ = model(stacked)
-    with _Outputs() as seen:
+    with DispatchedOutputs() as seen:
         h.square().sum().backward()
     return seen.elements
 

@@ -4,7 +4,8 @@ A read over depth stacks every earlier write (or output) into one tensor and att
 what the read saves for backward: that stacked copy, one per read, so O(L²·d) floats per token over L layers,
 where the sources themselves are O(L·d) and kept anyway. ``recomputed`` runs a read so that backward stacks the
 sources again instead: the memory of a step grows like the writes, at the price of one more pass over them in
-backward (measured in docs/training.md).
+backward (measured in docs/training.md). Most reads over depth now read a depth buffer in place and stack nothing
+(``variants/kernels/buffer.py``); LDM-RLS's float64 square-root form and mHC's projection under autocast run here.
 """
 
 from __future__ import annotations
