@@ -191,3 +191,31 @@ def test_backward_traffic_grows_like_the_sources_not_their_square(rng_seed, read
     buffered = _backward_elements(16, read, False) / _backward_elements(8, read, False)
     stacked = _backward_elements(16, read, True) / _backward_elements(8, read, True)
     assert buffered < 2.1 < 2.8 < stacked
+
+
+@pytest.mark.parametrize("read,partial", CHAINS, ids=["attnres", "attnres-block", "denseformer"])
+def test_a_second_backward_through_the_same_graph_gives_the_same_gradients(rng_seed, read, partial):
+    """Each write's link zeroes its slot of the buffer's gradient once it has taken it, so a graph kept for a second
+    backward (``retain_graph=True``) sums from zero again rather than on top of the first."""
+    model = _Chain(5, 7, 8, read, partial)
+    h, _ = model(False)
+    loss = h.square().sum()
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True, allow_unused=True)
+    second = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    for a, b in zip(first, second, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", ["ldm", "ldm-rls", "attnres", "attnres-block", "denseformer"])
+def test_a_model_backward_twice_through_the_same_graph_gives_the_same_gradients(rng_seed, spec):
+    from harness import build_model, model_preset
+
+    cfg = model_preset("tiny")
+    model = build_model(cfg, spec)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    loss = model(idx).square().mean()
+    params = [p for p in model.parameters() if p.requires_grad]
+    first = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    second = torch.autograd.grad(loss, params, allow_unused=True)
+    for a, b in zip(first, second, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -106,8 +106,12 @@ def _link_setup(ctx, inputs, output):
 
 
 def _link_grad(ctx, _):
-    # A copy: the slot stays the buffer's, whatever autograd does with the gradient it is handed.
-    dwrites = [g[ctx.n].to(dtype, copy=True) for g, dtype in zip(gradients(ctx.slots), ctx.dtypes)]
+    # A copy: the slot stays the buffer's, whatever autograd does with the gradient it is handed. The slot is then
+    # zeroed, so that a second backward through the same graph (``retain_graph=True``) sums from zero again.
+    dwrites = []
+    for g, dtype in zip(gradients(ctx.slots), ctx.dtypes):
+        dwrites.append(g[ctx.n].to(dtype, copy=True))
+        g[ctx.n].zero_()
     return dwrites, [None] * len(ctx.slots), None, token_like(ctx.slots[0]) if ctx.chained else None
 
 
