@@ -315,8 +315,7 @@ class LDM(DepthMixer):
                 m = torch.einsum("btgvk,btgk->btgv", state.M, q)
             elif state.buffer is not None:  # LDM's writes, or LDM-RLS's whitened ones in float32
                 m = buffer_read(state.buffer, q.reshape(-1, self.dk)).view(*q.shape[:-1], self.dv).to(dt)
-            else:  # LDM-RLS's whitened writes in the square-root form, float64 once its guard has tripped
-                # In the writes' precision (float64 once LDM-RLS's guard has tripped), back in the stream's after.
+            else:  # LDM-RLS's square-root form: float64 writes, read in their precision, back in the stream's after
                 m = recomputed(_read_writes, q, *state.keys, *state.values).to(dt)
             m = m.flatten(-2)  # (b, t, g, v) -> (b, t, d)
             self.record("read", reader, m)

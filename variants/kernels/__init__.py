@@ -6,8 +6,8 @@ the choice between them in the folder's ``__init__``:
 
 - ``depth_read``: LDM's read ``Σ_i v_i (k_iᵀ q)`` over the writes so far, one pass over each key and value, and a
   backward that recomputes the scores instead of saving them; ``buffer.py`` reads LDM's depth buffer.
-- ``whiten``: LDM-RLS's write, one Gram–Schmidt step of its dual form against the earlier whitened writes in one
-  pass, and a backward that recomputes the projection coefficients.
+- ``whiten``: LDM-RLS's write, one Gram–Schmidt step of its dual form against the earlier whitened writes in its
+  depth buffer in one pass, and a backward that recomputes the projection coefficients.
 - ``softmax_read``: AttnRes's read ``Σ_s softmax_s(ρ_s w·v_s) v_s`` over its depth buffer, with the key norm
   ``ρ_s`` taken inside the pass (an online softmax), and a backward that recomputes the weights from the saved
   log-sum-exp.
@@ -15,7 +15,7 @@ the choice between them in the folder's ``__init__``:
 - ``sinkhorn``: mHC's projection of ``exp(H̃^res)`` onto doubly stochastic matrices, every iteration in registers,
   and a backward that runs the iterations again and walks them in reverse.
 
-Beside them, ``buffer.py`` is the depth buffer LDM, AttnRes and DenseFormer keep their writes in, once each,
+Beside them, ``buffer.py`` is the depth buffer LDM, LDM-RLS, AttnRes and DenseFormer keep their writes in, once each,
 depth-major, with a float32 gradient that the reads' backward adds into in place; ``weighted_read.py`` is
 DenseFormer's average over it, one matrix-vector product, which needs no kernel of its own.
 

@@ -154,7 +154,7 @@ def whiten(
     ridge = torch.broadcast_to(ridge, shape).reshape(R)
     k, v = k.reshape(R, -1), v.reshape(R, -1)
     template = (keys[0].reshape(R, -1), values[0].reshape(R, -1)) if keys else (k, v)
-    buffer = DepthBuffer.allocate(len(keys) + 1, *template)
+    buffer = DepthBuffer.allocate(max(len(keys), 1), *template)
     for kj, vj in zip(keys, values):
         buffer = buffer.append(kj.reshape(R, -1), vj.reshape(R, -1))
     kt, vt, margin = buffer_whiten(buffer, k, v, ridge)

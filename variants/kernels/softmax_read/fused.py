@@ -121,19 +121,19 @@ def launch(R: int, D: int, acc=tl.float32, extra: bool = False) -> tuple[tuple[i
 
 
 def _inputs(query, values, extra):
+    """The grid, the tile, the extra source's pointer, R, D and the computing dtype of a launch."""
     tensors = (values, query) if extra is None else (values, query, extra)
     R, D = values.shape[1:]
     grid, blocks = launch(R, D, tiles.compute_dtype(*tensors), extra is not None)
     # Without an extra source the kernels never load it: any pointer stands in.
-    return grid, blocks, values if extra is None else extra.contiguous(), R, D
+    return grid, blocks, values if extra is None else extra.contiguous(), R, D, kernels.compute_dtype(*tensors)
 
 
 def buffer_read(query, values, n: int, extra, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The read over ``values[:n]`` (and ``extra``) and the log-sum-exp of each row's logits, both in the dtype the
     kernel computes in: backward reads the read again, which must not carry a bfloat16 rounding into the
     gradients."""
-    grid, blocks, x, R, D = _inputs(query, values, extra)
-    acc = kernels.compute_dtype(*(t for t in (values, query, extra) if t is not None))
+    grid, blocks, x, R, D, acc = _inputs(query, values, extra)
     a, lse = values.new_empty(R, D, dtype=acc), values.new_empty(R, dtype=acc)
     _forward[grid](values, x, query, a, lse, R, n, D, eps, **blocks)
     return a, lse
@@ -142,7 +142,7 @@ def buffer_read(query, values, n: int, extra, eps: float) -> tuple[torch.Tensor,
 def buffer_read_backward(da, query, values, grad_values, n: int, extra, a, lse, eps: float):
     """``∂w`` and the extra source's gradient (an empty tensor without one), with each ``∂v_s`` added into
     ``grad_values`` in place."""
-    grid, blocks, x, R, D = _inputs(query, values, extra)
+    grid, blocks, x, R, D, _ = _inputs(query, values, extra)
     dx = torch.empty_like(x) if extra is not None else query.new_empty(0)
     dw = lse.new_empty(grid[0], D)
     _backward[grid](values, x, query, a, lse, da.contiguous(), grad_values, dx, dw, R, n, D, eps, **blocks)

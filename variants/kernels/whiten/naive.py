@@ -74,9 +74,8 @@ def buffer_whiten(k, v, ridge, keys, values, n: int):
 
 @torch.no_grad()
 def buffer_whiten_backward(dkt, dvt, k, keys, values, grad_keys, grad_values, kt, vt, delta, floored, n: int):
-    """``∂k``, ``∂v``, ``∂d`` of ``buffer_whiten`` in ``k``'s dtype, with ``∂k̃_j`` and ``∂ṽ_j`` added into
-    ``grad_keys`` and ``grad_values`` (in ``k``'s dtype too, the computing one); the formulas of ``fused.py``'s
-    docstring."""
+    """``∂k``, ``∂v``, ``∂d`` of ``buffer_whiten`` in ``k``'s dtype, the computing one, with ``∂k̃_j`` and ``∂ṽ_j``
+    added into ``grad_keys`` and ``grad_values`` (in their own dtype); the formulas of ``fused.py``'s docstring."""
     dkt, dvt = dkt.to(k.dtype), dvt.to(k.dtype)
     dsq = -0.5 * (_dot(dkt, kt) + _dot(dvt, vt)) / delta.square()
     dridge = dsq.clone()  # d enters δ² with weight 1, or is δ² where the floor held
