@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import importlib
 import os
 import sys
@@ -91,8 +92,20 @@ def _take_overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return [a for a in extra if not _is_override(a)]
 
 
+def _stacks_on_crash() -> None:
+    """A native crash (a segfault, or an abort inside a library such as a collective's) prints every thread's
+    Python stack before the process dies: in a multi-process or SLURM job's log, the lines that say where."""
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError, OSError):
+        pass  # a standard error without a file descriptor (captured in a notebook): nowhere to print to
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _stacks_on_crash()
     parser = build_parser()
     # ``lm-eval`` hands everything after it to lm-eval's own command line untouched.
     if argv and argv[0] == "lm-eval":

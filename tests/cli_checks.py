@@ -69,3 +69,13 @@ def tiny_train_command(variant: str, devices: int, out, train: dict) -> list[str
     depthmem = str(Path(sys.executable).parent / "depthmem")
     command = [depthmem, "train", "--preset", "tiny", "--variant", variant, "--devices", str(devices)]
     return command + ["--out", str(out), *(f"--set=train.{k}={v}" for k, v in train.items())]
+
+
+def ranks_stderr(stderr: str, keep: int = 3000) -> str:
+    """What a failed multi-process run printed, for an assertion message: the end of rank 0's own lines (the
+    command's process, whose lines carry no rank prefix) and then the end of the other ranks'. A rank that dies
+    takes the others down with it, and their tracebacks would otherwise fill the message and push out its own."""
+    lines = stderr.splitlines(keepends=True)
+    others = "".join(line for line in lines if line.startswith("[rank") and not line.startswith("[rank0]"))
+    own = "".join(line for line in lines if not line.startswith("[rank") or line.startswith("[rank0]"))
+    return f"rank 0:\n{own[-keep:]}\nthe other ranks:\n{others[-keep // 3 :]}"

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_checks import tiny_train_command
+from cli_checks import ranks_stderr, tiny_train_command
 
 from harness.config import build_config
 from harness.training.trainer import train
@@ -44,7 +44,7 @@ def test_two_processes_match_one_process(variant, tmp_path, tmp_path_factory):
     }
     command = tiny_train_command(variant, 2, tmp_path / "ddp", settings)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, ranks_stderr(result.stderr)
     # one start line naming the processes, one closing line, and none of Lightning's per-process greetings
     assert "on 2 processes (strategy auto: DDP)" in result.stdout.splitlines()[0]
     assert result.stdout.count("depthmem: run directory") == 1, result.stdout
@@ -100,9 +100,9 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_the_run_resumes(
         os.killpg(proc.pid, signal.SIGKILL)  # both ranks: this test's own session
         pytest.fail("the run hung after rank 1 alone received SIGTERM")
     status = json.loads((run / "status.json").read_text())
-    assert status["state"] == "interrupted" and status["ckpt_step"] == status["step"] < 120, (status, err[-2000:])
+    assert status["state"] == "interrupted" and status["ckpt_step"] == status["step"] < 120, (status, ranks_stderr(err))
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, ranks_stderr(result.stderr)
     assert json.loads((run / "status.json").read_text())["state"] == "done"
     steps = [int(s) for s in _column(run, "step")]
     assert steps == sorted(set(steps)) and steps[-1] == 120

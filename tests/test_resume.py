@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_checks import ranks_stderr
 
 from harness import rundir
 from harness.config import build_config
@@ -65,7 +66,7 @@ def test_sigkill_then_rerun_matches_an_uninterrupted_run(tmp_path, tmp_path_fact
     assert killed_at < 16 and rundir.read_status(tmp_path / "killed")["state"] == "running"
 
     rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert rerun.returncode == 0, ranks_stderr(rerun.stderr)
     assert f"resuming at step {killed_at}" in rerun.stdout
 
     cfg = build_config(

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_checks import tiny_train_command
+from cli_checks import ranks_stderr, tiny_train_command
 
 SETTINGS = {
     "max_steps": 6,
@@ -31,7 +31,7 @@ def _train(out: Path, devices: int, strategy: str, cache: Path) -> subprocess.Co
     command = tiny_train_command("ldm-rls", devices, out, {"strategy": strategy, **SETTINGS})
     env = {**os.environ, "DEPTHMEM_CACHE": str(cache)}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, ranks_stderr(result.stderr)
     return result
 
 

@@ -14,6 +14,7 @@ overhead over PreLN.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,10 +102,14 @@ class DepthMixer(nn.Module, abc.ABC):
         the cost listing of a preset; empty for a mixer without any."""
         return {}
 
-    def step_checks(self) -> str | None:
+    def step_checks(self, least: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> str | None:
         """Called once per optimizer step, where training already waits for the device: a sentence when what this
         step computed cannot be trusted (the mixer has then switched to a path that can), else None. Lets a mixer
-        keep its checks on the device inside a step instead of stopping the step to ask."""
+        keep its checks on the device inside a step instead of stopping the step to ask.
+
+        ``least`` gives a tensor's minimum over the processes of a multi-process run (itself in a run of one), and
+        a mixer decides from what it returns: each process sees its own batch, and a decision taken from one
+        alone would switch one replica and skip its update while the others go on."""
         return None
 
     def params_to_match(self) -> str | None:

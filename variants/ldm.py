@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -188,14 +189,14 @@ class LDM(DepthMixer):
         if self.margin.device == margin.device:  # not on the meta device, where a config is only validated
             self.margin.copy_(torch.minimum(self.margin, margin.detach().to(self.margin.dtype) / floor))
 
-    def step_checks(self) -> str | None:
+    def step_checks(self, least: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> str | None:
         """LDM-RLS: whether a whitening margin fell below ``rls.min_margin`` since the last call, read from the
         device once per step instead of once per write. Then the whitening runs in float64, in the square-root
         form, from here on (``whiten_dtype``) and the sentence says so; the caller decides what to do with the step
         that lost its digits."""
         if not self.rls or not self.uses_memory:
             return None
-        worst = float(self.margin)
+        worst = float(least(self.margin))
         self.margin.fill_(math.inf)
         if worst >= 1.0:
             return None

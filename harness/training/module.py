@@ -35,7 +35,7 @@ from harness.training.optim import (
     rng_states,
     set_rng_states,
 )
-from harness.training.sharding import is_sharded, shard
+from harness.training.sharding import is_sharded, least_over_ranks, shard
 from variants import kernels
 
 
@@ -130,7 +130,9 @@ class LitDecoder(pl.LightningModule):
         mean = self._loss_sum.float() / self.trainer.accumulate_grad_batches
         loss = float(self.trainer.strategy.reduce(mean, reduce_op="mean"))
         self.step_loss, self.step_grad_norm = loss, grad_norm
-        note = self.model.mixer.step_checks()  # here, where the step has waited for the device already
+        # Here, where the step has waited for the device already; agreed over the ranks, so that every replica
+        # switches and withholds this update together.
+        note = self.model.mixer.step_checks(least_over_ranks)
         if note is not None:
             # The update this step computed is withheld; the mixer has changed how it computes from the next step on
             # (a compiled model recompiles for it).

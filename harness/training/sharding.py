@@ -37,6 +37,16 @@ def sharded_strategy(accelerator: str, world: int):
     )
 
 
+def least_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """The elementwise minimum of ``t`` over the processes of a multi-process run (``t`` itself in a run of one):
+    what a decision every replica must take alike is taken from. Every rank must call it at the same point."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t
+
+
 def shard(model: torch.nn.Module, mesh) -> None:
     """Shard every decoder layer, then the root (embedding, head, mixer), over the data-parallel mesh."""
     from torch.distributed.fsdp import fully_shard
