@@ -125,32 +125,73 @@ def test_a_loss_on_early_reads_alone_reaches_only_the_sources_they_read(rng_seed
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_sources_stored_in_bfloat16_read_in_float32(rng_seed, mode):
+@pytest.mark.parametrize("extra", [False, True], ids=["buffer", "float32 extra"])
+def test_sources_stored_in_bfloat16_read_in_float32(rng_seed, mode, extra):
     """Sources stored in bfloat16 and read by a float32 query, against the very same stored values read in float64:
-    reads and gradients within one bfloat16 unit (a source's gradient is rounded to its dtype once)."""
+    reads and gradients within one bfloat16 unit (a source's gradient is rounded to its dtype once). With ``extra``
+    a float32 source is read beside them, as AttnRes reads its embedding beside the sublayers' bf16 outputs."""
     L, rows, width = 10, 33, 40
     sources = (torch.randn(L, rows, width, dtype=torch.float64) * 3).requires_grad_()
     queries = torch.randn(L, width, dtype=torch.float64, requires_grad=True)
+    embedding = (torch.randn(rows, width, dtype=torch.float64) * 3).float().double().requires_grad_()
     weights = torch.randn(L, rows, width, dtype=torch.float64)
 
     def run(stacked):
         buffer, written, reads = None, [], []
+        x = embedding if extra else None
         for i in range(L):
             v = sources[i].bfloat16()
             if stacked:
                 written.append(v.double())
-                reads.append(naive.softmax_read(torch.stack(written, 1), queries[i], EPS))
+                stack = torch.stack(written + ([x] if extra else []), 1)
+                reads.append(naive.softmax_read(stack, queries[i], EPS))
             else:
                 buffer = (buffer or DepthBuffer.allocate(L, v)).append(v)
-                reads.append(softmax_read.buffer_read(buffer, queries[i].float()).double())
+                x32 = x.float() if extra else None
+                reads.append(softmax_read.buffer_read(buffer, queries[i].float(), x32).double())
         reads = torch.stack(reads)
-        return [reads.detach(), *torch.autograd.grad(reads, (sources, queries), weights)]
+        inputs = (sources, queries, embedding)
+        return [reads.detach(), *torch.autograd.grad(reads, inputs, weights, allow_unused=True, materialize_grads=True)]
 
     with kernels.mode(mode):
         got = run(False)
     want = run(True)
     for g, w in zip(got, want):
         assert _relative(g, w) < torch.finfo(torch.bfloat16).eps
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attnres_keeps_the_bf16_outputs_as_they_came_and_reads_its_embedding_in_float32(rng_seed, mode, monkeypatch):
+    """Under bf16 autocast AttnRes's buffer holds the sublayers' bf16 outputs, half the bytes of float32, and the
+    float32 embedding is read beside it: the logits and every gradient equal those of the same model with all its
+    sources held in float32, since the outputs have no more digits to keep and the embedding keeps all of its."""
+    from harness import build_model, model_preset
+
+    model = build_model(model_preset("tiny", n_blocks=3), "attnres")
+    with torch.no_grad():
+        model.mixer.queries.normal_()  # weights far from the uniform ones of the zero initialisation
+    idx, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+    allocate = DepthBuffer.allocate.__func__
+
+    def run(widen: bool):
+        stored = []
+
+        def recording(cls, capacity, *writes):
+            stored.append(writes[0].dtype)
+            return allocate(cls, capacity, *(w.float() if widen else w for w in writes))
+
+        monkeypatch.setattr(DepthBuffer, "allocate", classmethod(recording))
+        model.zero_grad()
+        with kernels.mode(mode), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(idx)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
+        return stored, [logits.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    stored, got = run(widen=False)
+    assert stored == [torch.bfloat16]
+    _, want = run(widen=True)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
 
 
 def test_the_weights_of_a_read_are_its_softmax(rng_seed):

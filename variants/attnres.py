@@ -11,7 +11,9 @@ gain, since a per-channel gain would only rescale ``w_l``.
 Every output is written once into a depth buffer, and a read attends over the sources so far where they lie,
 taking each key norm in the same pass (``variants/kernels/softmax_read``: the fused kernel where it runs); its
 backward adds each source's gradient into the buffer's in place. Eager, compiled and on GPU alike, the read is
-that one op. Axes: b batch, t time, d width, s source.
+that one op. The buffer keeps the outputs in their own precision (bf16 under autocast, which halves what every read
+loads); the embedding, float32 there, is the read's one source outside it, so no digit of it is lost. Axes: b batch,
+t time, d width, s source.
 """
 
 from __future__ import annotations
@@ -59,16 +61,23 @@ class AttnRes(DepthMixer):
         self.queries = nn.Parameter(torch.zeros(n_layers, d_model))
 
     def init_state(self, e):
-        # (the sources so far, (b·t, d) each in a depth buffer; e, to shape the reads)
-        return sources(e, self.n_layers + 1), e
+        # (the outputs so far, (b·t, d) each in a depth buffer that the first write allocates in its own dtype; e,
+        # the source read beside them)
+        return None, e
 
     def read(self, state, layer):
         buffer, e = state
-        return attend(self, buffer, layer, e)
+        if buffer is None:  # layer 0 reads the embedding alone, with weight 1
+            if self.trace is not None:
+                self.record("weights", layer, e.new_ones(*e.shape[:-1], 1))
+            return e.to(mix_dtype(e))
+        return attend(self, buffer, layer, e, e)
 
     def write(self, state, layer, out):
         buffer, e = state
-        return buffer.append(out.to(buffer.slots[0].dtype).reshape(-1, self.d_model)), e
+        out = out.reshape(-1, self.d_model)
+        buffer = buffer or DepthBuffer.allocate(self.n_layers, out)
+        return buffer.append(out), e
 
     def read_head(self, state):
         return self.read(state, self.n_layers)
@@ -78,8 +87,9 @@ class AttnRes(DepthMixer):
         L = self.n_layers
         c = torch.zeros(b, t, L + 1, L + 1, 1, dtype=mix_dtype(trace.embed), device=trace.embed.device)
         for reader in range(L + 1):
-            w = trace.mixer[("weights", reader)]  # (b, t, reader + 1): the embedding, then v_0 .. v_{reader-1}
-            c[:, :, reader, : reader + 1, 0] = w.to(c.dtype)
+            w = trace.mixer[("weights", reader)].to(c.dtype)  # (b, t, reader + 1): v_0 .. v_{reader-1}, then e
+            c[:, :, reader, 0, 0] = w[..., -1]
+            c[:, :, reader, 1 : reader + 1, 0] = w[..., :-1]
         return c
 
     def stream_floats_per_token(self):

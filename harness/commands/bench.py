@@ -69,7 +69,7 @@ def add_parser(sub):
     p.add_argument(
         "--dtype",
         default=None,
-        help="float32 or bf16 (autocast; state stays float32); default float32, bf16 with --micro-batch-memory",
+        help="float32 or bf16 (autocast); default float32, bf16 with --micro-batch-memory",
     )
     p.add_argument(
         "--repeats",

@@ -30,7 +30,8 @@ is the head's read; every write and read of a ``d``-wide vector counts ``d``):
 Backward moves more: a residual addition's gradient is one more addition (2x the forward in all), a weighted read's
 backward reads each source again for its weight's gradient and accumulates the source's gradient (3x in all). The
 trunk's and the mixers' FLOPs triple. The dtype sets the bytes per float of the depth state (``float32``, as most
-variants keep it under bf16 autocast; ``bf16``, as LDM keeps its keys and values there); the peak is always the
+variants keep it under bf16 autocast; ``bf16``, as LDM keeps its keys and values there, and AttnRes the sublayers'
+outputs, all of its sources but the embedding); the peak is always the
 card's dense bf16 tensor-core peak, which the trunk runs at under autocast.
 """
 
