@@ -234,6 +234,34 @@ def test_backward_traffic_grows_like_the_sources_not_their_square(rng_seed, read
     assert buffered < 2.1 < 2.8 < stacked
 
 
+@pytest.mark.parametrize("extra", [False, True], ids=["buffer", "float32 extra"])
+def test_bf16_sources_are_widened_one_at_a_time(rng_seed, extra):
+    """The plain read and its backward widen bf16 sources to float32 one source at a time: over 16 sources of the
+    same buffer they peak within one source's float32 of a read over 4. Widening all of them at once, as a list of
+    casts does, holds them all: twelve sources' more at 16."""
+    from harness.measure import AllocatorPeak
+
+    R, d, capacity = 256, 64, 16
+    written = torch.randn(capacity, R, d).bfloat16()
+    values, grad_values = written.clone(), torch.zeros(capacity, R, d)
+    query, da = torch.randn(d), torch.randn(R, d)
+    x = torch.randn(R, d) if extra else None
+
+    def peaks(n: int) -> tuple[int, int]:
+        meter = AllocatorPeak("cpu")
+        meter.start()
+        a, lse = softmax_read.buffer.read(query, values, n, None, x, EPS)
+        forward = meter.stop()
+        meter.start()
+        softmax_read.buffer.read_backward(da, query, values, grad_values, n, x, a, lse, EPS, False)
+        return forward, meter.stop()
+
+    with kernels.mode("off"):
+        (few_forward, few_backward), (many_forward, many_backward) = peaks(4), peaks(16)
+    source = R * d * 4
+    assert many_forward - few_forward < source and many_backward - few_backward < source
+
+
 @pytest.mark.parametrize("read,partial", CHAINS, ids=["attnres", "attnres-block", "denseformer"])
 def test_a_second_backward_through_the_same_graph_gives_the_same_gradients(rng_seed, read, partial):
     """Each write's link zeroes its slot of the buffer's gradient once it has taken it, so a graph kept for a second

@@ -28,8 +28,9 @@ def weights(buffer: DepthBuffer, query: torch.Tensor, extra: torch.Tensor | None
     """The softmax weights of the same read, (R, S), outside autograd: for inspection."""
     (values,) = buffer.slots
     with torch.no_grad():
-        v = naive.sources(values, buffer.n, extra, kernels.compute_dtype(values, query))
-        return torch.softmax(naive.logits(v, query.to(v[0].dtype), EPS), dim=0).T
+        dtype = kernels.compute_dtype(values, query)
+        v = naive.sources(values, buffer.n, extra, dtype)
+        return torch.softmax(naive.logits(v, query.to(dtype), EPS), dim=0).T
 
 
 def _inputs(query, values, extra):

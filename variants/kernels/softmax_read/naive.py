@@ -7,6 +7,8 @@ first ``n`` writes, depth-major (capacity, R, d), and optionally one ``extra`` s
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 
@@ -16,9 +18,11 @@ def softmax_read(values: torch.Tensor, query: torch.Tensor, eps: float) -> torch
     return (weights.unsqueeze(-2) @ values).squeeze(-2)
 
 
-def sources(values: torch.Tensor, n: int, extra: torch.Tensor | None, dtype: torch.dtype) -> list[torch.Tensor]:
-    """The sources of a buffer read, (R, d) each in ``dtype``: views of the buffer where no cast is needed."""
-    return [x.to(dtype) for x in (*values[:n], *([] if extra is None else [extra]))]
+def sources(values: torch.Tensor, n: int, extra: torch.Tensor | None, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """The sources of a buffer read, (R, d) each in ``dtype``, one at a time: views of the buffer where no cast is
+    needed, and where one is (bf16 sources read in float32) one cast source at a time, never all of them at once."""
+    for x in (*values[:n], *([] if extra is None else [extra])):
+        yield x.to(dtype)
 
 
 def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -32,7 +36,7 @@ def _scale_and_logit(v: torch.Tensor, query: torch.Tensor, eps: float) -> tuple[
     return rho, v @ query
 
 
-def logits(v: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+def logits(v: Iterable[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
     """``ρ_s w·v_s`` of the sources ``v``, (S, R)."""
     return torch.stack([rho * wv for rho, wv in (_scale_and_logit(x, query, eps) for x in v)])
 
@@ -45,12 +49,11 @@ def logits(v: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tens
 @torch.no_grad()
 def buffer_read(query, values, n: int, extra, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The read (R, d) and each row's log-sum-exp of the logits (R,), in ``query``'s dtype."""
-    v = sources(values, n, extra, query.dtype)
-    z = logits(v, query, eps)
+    z = logits(sources(values, n, extra, query.dtype), query, eps)
     lse = z.logsumexp(0)
     p = (z - lse).exp_()
-    a = torch.zeros_like(v[0])
-    for p_s, v_s in zip(p, v):
+    a = query.new_zeros(values.shape[1:])
+    for p_s, v_s in zip(p, sources(values, n, extra, query.dtype), strict=True):
         a.addcmul_(p_s.unsqueeze(-1), v_s)
     return a, lse
 
@@ -61,12 +64,11 @@ def buffer_read_backward(da, query, values, grad_values, n: int, extra, a, lse, 
     ``grad_values`` (in its own dtype), from the read ``a`` and the log-sum-exp ``lse`` of ``buffer_read``; the
     arithmetic in ``query``'s dtype. With ``δ = aᵀ∂a`` and ``∂z_s = p_s (v_sᵀ∂a − δ)``:
     ``∂v_s = p_s ∂a + ∂z_s (ρ_s w − (w·v_s) ρ_s³ v_s / d)`` and ``∂w = Σ_s ∂z_s ρ_s v_s``."""
-    v = sources(values, n, extra, query.dtype)
     da = da.to(query.dtype)
     delta = _dot(a.to(query.dtype), da)
     dw = torch.zeros_like(query)
-    dx = torch.zeros_like(v[-1]) if extra is not None else query.new_empty(0)
-    for s, v_s in enumerate(v):
+    dx = query.new_zeros(values.shape[1:]) if extra is not None else query.new_empty(0)
+    for s, v_s in enumerate(sources(values, n, extra, query.dtype)):
         rho, wv = _scale_and_logit(v_s, query, eps)
         p = (rho * wv - lse).exp_()
         dz = p * (_dot(v_s, da) - delta)
