@@ -75,9 +75,17 @@ def test_a_step_past_the_time_limit_is_killed_and_fails_the_run(tmp_path, monkey
     assert child.exists(), "the step had not started its child by the time limit"
     pid = int(child.read_text())
     deadline = time.monotonic() + 10  # killed already; reaped by init a moment later
-    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+    while _running(pid):
         assert time.monotonic() < deadline, "the step's own child outlived the kill"
         time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (dead, waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.slow

@@ -113,8 +113,9 @@ def launches(shape: Shape, state: torch.dtype = torch.float32):
     yield "whiten._forward", whiten._forward, (p, p, p, s, s, p, p, p, flags, p) + sizes, tile
     args = (p, s, s, p, p, p, flags, p, p, p, p, p, p, p) + sizes
     yield "whiten._backward", whiten._backward, args, tile
-    # AttnRes reads a buffer of its n + 1 sources and adds into its float32 gradient; block AttnRes passes its
-    # partial sum (float32) beside the buffer.
+    # A softmax read over a buffer of sources, adding into its float32 gradient, and with one float32 source beside
+    # it: AttnRes's embedding beside its outputs, block AttnRes's partial sum beside its block sums (both the
+    # "(partial sum)" builds).
     R, D = shape.tokens, shape.d_model
     for extra, suffix in ((False, ""), (True, " (partial sum)")):
         _, tile = softmax_read.launch(R, D, extra=extra)
