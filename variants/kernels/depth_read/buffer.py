@@ -32,7 +32,8 @@ def read(
         from variants.kernels.depth_read import fused
 
         return fused.buffer_read(q.contiguous(), keys, values, n)
-    return naive.buffer_read(q.to(kernels.result_dtype(q, keys, values)), keys, values, n)
+    dtype = kernels.compute_dtype(q, keys, values)
+    return naive.buffer_read(q.to(dtype), keys, values, n).to(kernels.result_dtype(q, keys, values))
 
 
 @read.register_fake

@@ -15,19 +15,34 @@ def depth_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
     return (scores.unsqueeze(-2) @ values).squeeze(-2)
 
 
+def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``x·y`` of (R, d) tensors, as a batched product: no (R, d) temporary."""
+    return (x.unsqueeze(-2) @ y.unsqueeze(-1)).flatten()
+
+
+# The buffer read and its backward go write by write, each write's terms added in place, as the kernels do: nothing
+# of the size of the writes is allocated beyond the read and the gradients (a batched product over all n writes
+# holds an (n, R, ·) temporary in the backward, and under bf16 storage every write widened at once).
+
+
+@torch.no_grad()
 def buffer_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
     """``depth_read`` over the first ``n`` writes of depth-major ``keys`` and ``values``, in ``q``'s dtype."""
-    scores = torch.einsum("nrk,rk->nr", keys[:n].to(q.dtype), q)
-    return torch.einsum("nr,nrv->rv", scores, values[:n].to(q.dtype))
+    m = q.new_zeros(q.shape[0], values.shape[-1])
+    for k, v in zip(keys[:n], values[:n], strict=True):
+        m.addcmul_(_dot(k.to(q.dtype), q).unsqueeze(-1), v.to(q.dtype))
+    return m
 
 
 @torch.no_grad()
 def buffer_read_backward(dm, q, keys, values, grad_keys, grad_values, n: int) -> torch.Tensor:
     """``∂q`` of ``buffer_read``, with ``∂k_i = (v_iᵀ ∂m) q`` and ``∂v_i = (k_iᵀ q) ∂m`` added into ``grad_keys`` and
-    ``grad_values`` (depth-major, in their own dtype); the arithmetic in ``q``'s dtype."""
-    keys, values = keys[:n].to(q.dtype), values[:n].to(q.dtype)
-    scores = torch.einsum("nrk,rk->nr", keys, q)
-    dscores = torch.einsum("nrv,rv->nr", values, dm)
-    grad_keys[:n] += (dscores.unsqueeze(-1) * q).to(grad_keys.dtype)
-    grad_values[:n] += (scores.unsqueeze(-1) * dm).to(grad_values.dtype)
-    return torch.einsum("nr,nrk->rk", dscores, keys)
+    ``grad_values`` (depth-major, each rounded once to its own dtype); the arithmetic in ``q``'s dtype."""
+    dq = torch.zeros_like(q)
+    for i in range(n):
+        k, v = keys[i].to(q.dtype), values[i].to(q.dtype)
+        dscore = _dot(v, dm).unsqueeze(-1)
+        grad_keys[i].addcmul_(dscore, q)
+        grad_values[i].addcmul_(_dot(k, q).unsqueeze(-1), dm)
+        dq.addcmul_(dscore, k)
+    return dq
