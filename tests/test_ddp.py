@@ -106,3 +106,65 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_the_run_resumes(
     assert json.loads((run / "status.json").read_text())["state"] == "done"
     steps = [int(s) for s in _column(run, "step")]
     assert steps == sorted(set(steps)) and steps[-1] == 120
+
+
+# Loaded at start-up by every Python process of the runs below (Lightning's rank 1 included): on one rank, at one
+# step, the margin LDM-RLS's guard reads is set below its floor, as a batch that lost its digits on that rank alone
+# would leave it. The rest is the harness as it runs.
+_TRIP_ONE_RANK = """
+import os
+
+from harness.training import module
+
+_RANK, _STEP, _MARGIN = int(os.environ["TRIP_RANK"]), int(os.environ["TRIP_STEP"]), float(os.environ["TRIP_MARGIN"])
+_checked = module.LitDecoder.on_before_optimizer_step
+
+
+def on_before_optimizer_step(self, optimizer):
+    if self.global_rank == _RANK and self.global_step + 1 == _STEP:
+        self.model.mixer.margin.fill_(_MARGIN)
+    return _checked(self, optimizer)
+
+
+module.LitDecoder.on_before_optimizer_step = on_before_optimizer_step
+"""
+
+
+@pytest.mark.xdist_group("ddp")
+def test_the_ldm_rls_guard_tripping_on_one_rank_skips_the_step_on_both(tmp_path, tmp_path_factory, rng_seed):
+    """Training decides LDM-RLS's guard from every rank's margins (``least_over_ranks``): a trip on rank 1 alone
+    withholds the step's update on both ranks and switches both to float64, so the two processes still follow one
+    process that tripped at the same step. Decided per rank, rank 0 would neither record the trip nor withhold the
+    update, the replicas would part, and the curves with them."""
+    import random
+
+    rng = random.Random(rng_seed)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_TRIP_ONE_RANK)
+    step, margin = rng.randint(2, 3), rng.uniform(0.01, 0.99)  # in units of the floor
+    env = {
+        **os.environ,
+        "DEPTHMEM_CACHE": str(tmp_path_factory.getbasetemp().parent / "depthmem-cache"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
+        "TRIP_STEP": str(step),
+        "TRIP_MARGIN": str(margin),
+    }
+    settings = {"max_steps": 5, "log_every_steps": 1, "val_every_steps": 5, "val_batches": 1}
+    settings |= {"ckpt_every_steps": 5, "seq_len": 32, "batch_size": 8, "warmup_steps": 2}
+    runs = {}
+    for devices, rank in ((2, 1), (1, 0)):
+        runs[devices] = tmp_path / f"devices{devices}"
+        command = tiny_train_command("ldm-rls", devices, runs[devices], settings)
+        result = subprocess.run(
+            command, env=env | {"TRIP_RANK": str(rank)}, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, ranks_stderr(result.stderr)
+        # rank 0 prints and records the step whether the trip was its own or rank 1's
+        assert result.stdout.count("this step's update is skipped") == 1, result.stdout
+        (skipped,) = json.loads((runs[devices] / "summary.json").read_text())["skipped_updates"]
+        assert skipped["step"] == step and skipped["reason"].startswith("a whitening margin of LDM-RLS fell to")
+    for name in ("train_loss", "grad_norm", "val_loss"):
+        got, want = _column(runs[2], name), _column(runs[1], name)
+        assert len(got) == len(want) > 0
+        assert got == pytest.approx(want, rel=1e-5), name

@@ -137,7 +137,8 @@ class LitDecoder(pl.LightningModule):
             # The update this step computed is withheld; the mixer has changed how it computes from the next step on
             # (a compiled model recompiles for it).
             self.fallbacks.append({"step": self.global_step + 1, "reason": note})
-            print(f"depthmem: step {self.global_step + 1}: {note}; this step's update is skipped.", flush=True)
+            if self.global_rank == 0:  # every rank took the same decision
+                print(f"depthmem: step {self.global_step + 1}: {note}; this step's update is skipped.", flush=True)
             for p in self.model.parameters():
                 p.grad = None
         self.step_lr = optimizer.param_groups[0]["lr"]
