@@ -116,3 +116,9 @@ def _link_grad(ctx, _):
 
 
 link.register_autograd(_link_grad, setup_context=_link_setup)
+
+
+def row_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Row-wise ``x·y`` of (R, ·) tensors, as a batched product: no (R, ·) temporary. The plain reads of a buffer
+    take their writes one at a time with it."""
+    return (x.unsqueeze(-2) @ y.unsqueeze(-1)).flatten()

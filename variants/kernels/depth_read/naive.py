@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from variants.kernels.buffer import row_dot
+
 
 def depth_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     scores = (keys @ q.unsqueeze(-1)).squeeze(-1)  # k_iᵀ q, (R, n)
     return (scores.unsqueeze(-2) @ values).squeeze(-2)
-
-
-def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Row-wise ``x·y`` of (R, d) tensors, as a batched product: no (R, d) temporary."""
-    return (x.unsqueeze(-2) @ y.unsqueeze(-1)).flatten()
 
 
 # The buffer read and its backward go write by write, each write's terms added in place, as the kernels do: nothing
@@ -30,7 +27,7 @@ def buffer_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: in
     """``depth_read`` over the first ``n`` writes of depth-major ``keys`` and ``values``, in ``q``'s dtype."""
     m = q.new_zeros(q.shape[0], values.shape[-1])
     for k, v in zip(keys[:n], values[:n], strict=True):
-        m.addcmul_(_dot(k.to(q.dtype), q).unsqueeze(-1), v.to(q.dtype))
+        m.addcmul_(row_dot(k.to(q.dtype), q).unsqueeze(-1), v.to(q.dtype))
     return m
 
 
@@ -41,8 +38,8 @@ def buffer_read_backward(dm, q, keys, values, grad_keys, grad_values, n: int) ->
     dq = torch.zeros_like(q)
     for i in range(n):
         k, v = keys[i].to(q.dtype), values[i].to(q.dtype)
-        dscore = _dot(v, dm).unsqueeze(-1)
+        dscore = row_dot(v, dm).unsqueeze(-1)
         grad_keys[i].addcmul_(dscore, q)
-        grad_values[i].addcmul_(_dot(k, q).unsqueeze(-1), dm)
+        grad_values[i].addcmul_(row_dot(k, q).unsqueeze(-1), dm)
         dq.addcmul_(dscore, k)
     return dq

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from variants.kernels.buffer import row_dot
+
 
 def softmax_read(values: torch.Tensor, query: torch.Tensor, eps: float) -> torch.Tensor:
     rho = torch.rsqrt(values.square().mean(-1) + eps)  # the key norm's scale, (R, S)
@@ -23,11 +25,6 @@ def sources(values: torch.Tensor, n: int, extra: torch.Tensor | None, dtype: tor
     needed, and where one is (bf16 sources read in float32) one cast source at a time, never all of them at once."""
     for x in (*values[:n], *([] if extra is None else [extra])):
         yield x.to(dtype)
-
-
-def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Row-wise ``x·y`` of (R, d) tensors, as a batched product: no (R, d) temporary."""
-    return (x.unsqueeze(-2) @ y.unsqueeze(-1)).flatten()
 
 
 def _scale_and_logit(v: torch.Tensor, query: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,13 +62,13 @@ def buffer_read_backward(da, query, values, grad_values, n: int, extra, a, lse, 
     arithmetic in ``query``'s dtype. With ``δ = aᵀ∂a`` and ``∂z_s = p_s (v_sᵀ∂a − δ)``:
     ``∂v_s = p_s ∂a + ∂z_s (ρ_s w − (w·v_s) ρ_s³ v_s / d)`` and ``∂w = Σ_s ∂z_s ρ_s v_s``."""
     da = da.to(query.dtype)
-    delta = _dot(a.to(query.dtype), da)
+    delta = row_dot(a.to(query.dtype), da)
     dw = torch.zeros_like(query)
     dx = query.new_zeros(values.shape[1:]) if extra is not None else query.new_empty(0)
     for s, v_s in enumerate(sources(values, n, extra, query.dtype)):
         rho, wv = _scale_and_logit(v_s, query, eps)
         p = (rho * wv - lse).exp_()
-        dz = p * (_dot(v_s, da) - delta)
+        dz = p * (row_dot(v_s, da) - delta)
         g = grad_values[s] if s < n else dx
         # ∂v_s = p ∂a + (∂z ρ) w − (∂z (w·v) ρ³ / d) v
         g.addcmul_(p.unsqueeze(-1), da).addcmul_((dz * rho).unsqueeze(-1), query)

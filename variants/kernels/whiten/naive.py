@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from variants import kernels
+from variants.kernels.buffer import row_dot
 
 
 def whiten(
@@ -47,11 +48,6 @@ def outputs(k, v, ridge, keys, values):
 # (harness/training/memory_plan.py) simulates from the ops' outputs.
 
 
-def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Row-wise ``x·y`` of (R, ·) tensors, as a batched product: no (R, ·) temporary."""
-    return (x.unsqueeze(-2) @ y.unsqueeze(-1)).flatten()
-
-
 @torch.no_grad()
 def buffer_whiten(k, v, ridge, keys, values, n: int):
     """``whiten`` against ``keys[:n]`` and ``values[:n]``, in ``k``'s dtype, with ``δ`` and the floor's mask (int8)
@@ -60,7 +56,7 @@ def buffer_whiten(k, v, ridge, keys, values, n: int):
     kt, vt, sq = k.clone(), v.to(k.dtype, copy=True), total.clone()
     for kj, vj in zip(keys[:n], values[:n]):
         kj, vj = kj.to(k.dtype), vj.to(k.dtype)
-        c = _dot(kj, k)
+        c = row_dot(kj, k)
         kt.addcmul_(c.unsqueeze(-1), kj, value=-1)
         vt.addcmul_(c.unsqueeze(-1), vj, value=-1)
         sq -= c.square()
@@ -77,7 +73,7 @@ def buffer_whiten_backward(dkt, dvt, k, keys, values, grad_keys, grad_values, kt
     """``∂k``, ``∂v``, ``∂d`` of ``buffer_whiten`` in ``k``'s dtype, the computing one, with ``∂k̃_j`` and ``∂ṽ_j``
     added into ``grad_keys`` and ``grad_values`` (in their own dtype); the formulas of ``fused.py``'s docstring."""
     dkt, dvt = dkt.to(k.dtype), dvt.to(k.dtype)
-    dsq = -0.5 * (_dot(dkt, kt) + _dot(dvt, vt)) / delta.square()
+    dsq = -0.5 * (row_dot(dkt, kt) + row_dot(dvt, vt)) / delta.square()
     dridge = dsq.clone()  # d enters δ² with weight 1, or is δ² where the floor held
     dsq = torch.where(floored != 0, 0.0, dsq)
     # ∂k_r = ∂k̃/δ, to which the rest of ∂k adds; ∂v = ∂v_r = ∂ṽ/δ. Where ∂k_r enters a product below, it is
@@ -86,8 +82,8 @@ def buffer_whiten_backward(dkt, dvt, k, keys, values, grad_keys, grad_values, kt
     dk.addcmul_((2.0 * dsq).unsqueeze(-1), k)
     for j, (kj, vj) in enumerate(zip(keys[:n], values[:n])):
         kj, vj = kj.to(k.dtype), vj.to(k.dtype)
-        c = _dot(kj, k)
-        dc = -(_dot(dkt, kj) + _dot(dvt, vj)) / delta - 2.0 * c * dsq
+        c = row_dot(kj, k)
+        dc = -(row_dot(dkt, kj) + row_dot(dvt, vj)) / delta - 2.0 * c * dsq
         dk.addcmul_(dc.unsqueeze(-1), kj)
         # ∂k̃_j = ∂l_j k − l_j ∂k_r, ∂ṽ_j = −l_j ∂v_r
         cr = (c / delta).unsqueeze(-1)
