@@ -153,6 +153,20 @@ def test_float32_matches_with_key_weights_scaled(layers, groups, key_dim, lam, a
     _check((got_logits, got_reads), (want_logits, want_reads))
 
 
+def _bf16_case(layers: int, groups: int, key_dim: int, lam, alpha: float):
+    """The float32 dual form of a stress case, an input, the float64 recursion's logits on it, and the bf16 bound:
+    twice PreLN's own bf16 error on the same input (the trunk's weights), or 1.25 times that of the recursion run
+    in float32 under the same autocast where the math's sensitivity to bf16 inputs already exceeds that."""
+    ref, fast = _models(layers, groups, key_dim, lam, alpha)
+    preln = build_model(model_preset("tiny", n_blocks=layers // 2), "preln").to(torch.float64)
+    preln.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("mixer.")})
+    idx = torch.randint(0, VOCAB, (B, T))
+    preln_error = _rel(_run(copy.deepcopy(preln).float(), idx, bf16=True)[0], _run(preln, idx)[0])
+    want_logits, _, _ = _run(ref, idx)
+    recursion_error = _rel(_run(copy.deepcopy(ref).float(), idx, bf16=True)[0], want_logits)
+    return fast, idx, want_logits, max(2 * preln_error, 1.25 * recursion_error)
+
+
 @pytest.mark.parametrize(
     "layers, groups, key_dim, lam, alpha",
     [
@@ -170,16 +184,10 @@ def test_bf16_error_within_twice_prelns_own(layers, groups, key_dim, lam, alpha,
     any implementation has it. With bf16 key networks, 32 draws in 200 were beyond twice PreLN's error, up to 14
     times, and the dual form's error and the recursion's, each amplifying its own roundings, differed by up to 3.5
     times either way; so LDM-RLS's key networks multiply in float32 (docs/variants.md)."""
-    ref, fast = _models(layers, groups, key_dim, lam, alpha)
-    preln = build_model(model_preset("tiny", n_blocks=layers // 2), "preln").to(torch.float64)
-    preln.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("mixer.")})
-    idx = torch.randint(0, VOCAB, (B, T))
-    preln_error = _rel(_run(copy.deepcopy(preln).float(), idx, bf16=True)[0], _run(preln, idx)[0])
-    want_logits, _, _ = _run(ref, idx)
-    recursion_error = _rel(_run(copy.deepcopy(ref).float(), idx, bf16=True)[0], want_logits)
+    fast, idx, want_logits, bound = _bf16_case(layers, groups, key_dim, lam, alpha)
     got_logits, got_reads = _guarded_run(fast, idx, bf16=True)
     assert all(m.dtype == torch.float32 for m in got_reads.values())  # the reads stay float32
-    assert 0 < _rel(got_logits, want_logits) <= max(2 * preln_error, 1.25 * recursion_error)
+    assert 0 < _rel(got_logits, want_logits) <= bound
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
@@ -192,8 +200,8 @@ def _tf32(x: torch.Tensor) -> torch.Tensor:
 def test_tf32_key_networks_would_stay_within_the_bf16_bound(layers, groups, key_dim, lam, alpha, monkeypatch, rng_seed):
     """Why LDM-RLS's key networks are not on TF32 is not their accuracy (docs/variants.md): with both of their
     products in TF32 (operands rounded to 10 mantissa bits, float32 sums) the logits stay within the bound of
-    ``test_bf16_error_within_twice_prelns_own``. It runs at the two points where TF32 moved the error most (up to 1.5 times
-    that of float32 products, a median 1.00 over 60 draws)."""
+    ``test_bf16_error_within_twice_prelns_own``. It runs at the two points where TF32 moved the error most (up to
+    1.5 times that of float32 products, a median 1.00 over 60 draws)."""
     from variants.ldm import SmallMLP
 
     plain = SmallMLP.forward
@@ -204,18 +212,12 @@ def test_tf32_key_networks_would_stay_within_the_bf16_bound(layers, groups, key_
         h = F.silu(F.linear(_tf32(self.norm(x)), _tf32(self.fc1.weight), self.fc1.bias))
         return F.linear(_tf32(h), _tf32(self.fc2.weight), self.fc2.bias)
 
-    ref, fast = _models(layers, groups, key_dim, lam, alpha)
-    preln = build_model(model_preset("tiny", n_blocks=layers // 2), "preln").to(torch.float64)
-    preln.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("mixer.")})
-    idx = torch.randint(0, VOCAB, (B, T))
-    preln_error = _rel(_run(copy.deepcopy(preln).float(), idx, bf16=True)[0], _run(preln, idx)[0])
-    want_logits, _, _ = _run(ref, idx)
-    recursion_error = _rel(_run(copy.deepcopy(ref).float(), idx, bf16=True)[0], want_logits)
+    fast, idx, want_logits, bound = _bf16_case(layers, groups, key_dim, lam, alpha)
     float32_logits, _ = _guarded_run(copy.deepcopy(fast), idx, bf16=True)
     monkeypatch.setattr(SmallMLP, "forward", tf32_products)
     got_logits, _ = _guarded_run(fast, idx, bf16=True)
     assert not torch.equal(got_logits, float32_logits)  # the rounding reached the logits
-    assert 0 < _rel(got_logits, want_logits) <= max(2 * preln_error, 1.25 * recursion_error)
+    assert 0 < _rel(got_logits, want_logits) <= bound
 
 
 def test_the_guard_says_when_even_the_square_root_form_loses_its_digits(rng_seed):
