@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -136,8 +137,6 @@ def test_the_ldm_rls_guard_tripping_on_one_rank_skips_the_step_on_both(tmp_path,
     withholds the step's update on both ranks and switches both to float64, so the two processes still follow one
     process that tripped at the same step. Decided per rank, rank 0 would neither record the trip nor withhold the
     update, the replicas would part, and the curves with them."""
-    import random
-
     rng = random.Random(rng_seed)
     hook = tmp_path / "hook"
     hook.mkdir()

@@ -178,7 +178,7 @@ def test_the_plain_read_holds_one_write_at_a_time(rng_seed, dtype):
     R, key, value, capacity = 256, 64, 48, 16
     keys = torch.nn.functional.normalize(torch.randn(capacity, R, key), dim=-1).to(dtype)
     values = torch.randn(capacity, R, value).to(dtype)
-    grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
+    grad_keys, grad_values = torch.zeros(keys.shape), torch.zeros(values.shape)  # a buffer's float32 gradient
     q, dm = torch.randn(R, key).to(dtype), torch.randn(R, value).to(dtype)
 
     def peaks(n: int) -> tuple[int, int]:

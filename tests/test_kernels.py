@@ -73,7 +73,7 @@ def test_depth_read_equals_float64(rng_seed, dtype, rows, writes, key, value):
 
 def softmax_read(values: torch.Tensor, query: torch.Tensor, extra: bool = False) -> torch.Tensor:
     """AttnRes's read of stacked sources ``values`` (R, S, d) as the models make it: each source written into a
-    depth buffer, or the last passed beside it where ``extra`` (block AttnRes's partial sum)."""
+    depth buffer, or the last passed beside it where ``extra`` (AttnRes's embedding, block AttnRes's partial sum)."""
     n = values.shape[1] - extra
     buffer = DepthBuffer.allocate(max(n, 1), values[:, 0])
     for s in range(n):

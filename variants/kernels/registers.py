@@ -113,11 +113,10 @@ def launches(shape: Shape, state: torch.dtype = torch.float32):
     yield "whiten._forward", whiten._forward, (p, p, p, s, s, p, p, p, flags, p) + sizes, tile
     args = (p, s, s, p, p, p, flags, p, p, p, p, p, p, p) + sizes
     yield "whiten._backward", whiten._backward, args, tile
-    # A softmax read over a buffer of sources, adding into its float32 gradient, and with one float32 source beside
-    # it: AttnRes's embedding beside its outputs, block AttnRes's partial sum beside its block sums (both the
-    # "(partial sum)" builds).
+    # A softmax read over a buffer of sources, adding into its float32 gradient, alone and with one float32 source
+    # beside it: AttnRes's embedding beside its outputs, block AttnRes's partial sum beside its block sums.
     R, D = shape.tokens, shape.d_model
-    for extra, suffix in ((False, ""), (True, " (partial sum)")):
+    for extra, suffix in ((False, ""), (True, " (extra source)")):
         _, tile = softmax_read.launch(R, D, extra=extra)
         args = (s, p, p, p, p, R, n + 1, D, 1e-6)
         yield f"softmax_read._forward{suffix}", softmax_read._forward, args, tile

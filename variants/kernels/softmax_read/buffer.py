@@ -1,8 +1,8 @@
 """AttnRes's read of a depth buffer (``variants/kernels/buffer.py``): ``Σ_s softmax_s(w · RMSNorm(v_s)) v_s`` over
 the buffer's first ``n`` sources, (capacity, R, d) depth-major, and optionally one ``extra`` source (R, d) outside
-it (block AttnRes's partial sum), with the pseudo-query ``w`` (d,) -> (R, d). Its backward adds each ``∂v_s`` into
-the buffer's gradient in place. The math is ``naive.buffer_read``, or the fused kernels where they run
-(``variants.kernels``).
+it (AttnRes's embedding, block AttnRes's partial sum), with the pseudo-query ``w`` (d,) -> (R, d). Its backward adds
+each ``∂v_s`` into the buffer's gradient in place. The math is ``naive.buffer_read``, or the fused kernels where they
+run (``variants.kernels``).
 """
 
 from __future__ import annotations
