@@ -18,11 +18,17 @@ import random
 import re
 
 # Tests run on two cores, shared by the pytest-xdist workers and the subprocesses some tests start: one thread
-# each keeps them from contending (set before torch loads, so subprocesses inherit it too).
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_THREADS = str(max(1, (os.cpu_count() or 1) // _WORKERS))
-os.environ.setdefault("OMP_NUM_THREADS", _THREADS)
-os.environ.setdefault("MKL_NUM_THREADS", _THREADS)
+# each keeps them from contending (set before torch loads, so subprocesses inherit it too). xdist's controller
+# imports this file before it starts the workers, and they inherit its environment: a count it set for one process
+# would give every worker all the cores, where OpenMP threads waiting on descheduled ones make small products ten
+# to a hundred times slower. So a count this file set is recomputed in each process, from its own worker count;
+# one the user set stays.
+if os.environ.get("OMP_NUM_THREADS") == os.environ.pop("DEPTHMEM_TEST_THREADS", None):
+    os.environ.pop("OMP_NUM_THREADS", None)
+    os.environ.pop("MKL_NUM_THREADS", None)
+if "OMP_NUM_THREADS" not in os.environ:
+    _THREADS = str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = os.environ["DEPTHMEM_TEST_THREADS"] = _THREADS
 # Without a GPU the fused Triton kernels run in Triton's interpreter on CPU tensors (variants/kernels/), which
 # decides when a kernel is defined: set before anything imports them.
 if not os.path.exists("/dev/nvidia0"):
