@@ -173,10 +173,11 @@ def _forgetting_writes(rows: int, n: int, key_dim: int, lam: float):
 
 @pytest.mark.parametrize("key_dim", [2, 4])
 def test_square_root_whitening_keeps_the_digits_the_subtraction_loses(key_dim, rng_seed):
-    """48 writes at λ = 0.5: ridge terms down to ~1e-14, below the margin at which ``whiten``'s subtraction keeps
+    """48 writes at λ = 0.45: ridge terms down to ~1e-16, below the margin at which ``whiten``'s subtraction keeps
     its digits even in float64 (it lost ~3e-4 of a read there). The square-root form's reads stay within 1e-11 of
-    a 60-digit solve; and its k̃, ṽ are ``whiten``'s where that is accurate (few writes)."""
-    keys, values, ridge, query = _forgetting_writes(3, 48, key_dim, 0.5)
+    a 60-digit solve; and its k̃, ṽ are ``whiten``'s where that is accurate (few writes). At the stress grid's
+    λ = 0.5, 4-wide keys keep every margin above that floor in about 1 draw of 100, outside the case tested here."""
+    keys, values, ridge, query = _forgetting_writes(3, 48, key_dim, 0.45)
     reads, margin = _square_root_reads(keys, values, ridge, query)
     want = _exact_reads(keys, values, ridge, query)
     assert margin < ldm_rls.min_margin(torch.float64)  # where the subtraction is not to be trusted
