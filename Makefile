@@ -31,7 +31,7 @@ lint: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Everything but the tests that train, start processes, compile or take seconds (marked slow): 40-50 s on two cores.
+# Everything but the tests that train, start processes, compile or take seconds (marked slow): about 75 s on two cores.
 test-fast: setup
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not slow and not slurm"
 
