@@ -23,7 +23,8 @@ import re
 # would give every worker all the cores, where OpenMP threads waiting on descheduled ones make small products ten
 # to a hundred times slower. So a count this file set is recomputed in each process, from its own worker count;
 # one the user set stays.
-if os.environ.get("OMP_NUM_THREADS") == os.environ.pop("DEPTHMEM_TEST_THREADS", None):
+_SET_BY_A_PARENT = os.environ.pop("DEPTHMEM_TEST_THREADS", None)
+if _SET_BY_A_PARENT is not None and os.environ.get("OMP_NUM_THREADS") == _SET_BY_A_PARENT:
     os.environ.pop("OMP_NUM_THREADS", None)
     os.environ.pop("MKL_NUM_THREADS", None)
 if "OMP_NUM_THREADS" not in os.environ:

@@ -22,10 +22,14 @@ def test_each_process_takes_its_share_of_the_cores():
 @pytest.mark.slow
 def test_xdist_workers_do_not_inherit_the_controllers_count():
     # The controller imports conftest.py before it starts the workers: its one-process count must not reach them.
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    env.pop("DEPTHMEM_TEST_THREADS", None)
-    env.pop("PYTEST_XDIST_WORKER", None)
-    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+    inherited = (
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "DEPTHMEM_TEST_THREADS",
+        "PYTEST_XDIST_WORKER",
+        "PYTEST_XDIST_WORKER_COUNT",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     node = f"{Path(__file__).relative_to(ROOT)}::test_each_process_takes_its_share_of_the_cores"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "-rs", node],
